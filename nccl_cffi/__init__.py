@@ -1,0 +1,39 @@
+"""A cffi binding over libnccl: library discovery, unique ids, communicators
+with deadlines, collectives, and typed errors. No torch, no compiler."""
+
+from .comm import (
+    DEFAULT_INIT_TIMEOUT,
+    DEFAULT_OP_TIMEOUT,
+    UNIQUE_ID_BYTES,
+    Communicator,
+    get_unique_id,
+    group,
+    unique_id_from_bytes,
+    unique_id_to_bytes,
+)
+from .buffers import DeviceBuffer, as_buffer
+from .dtypes import NCCL_TYPES, dtype_name, itemsize, nccl_type, numpy_dtype
+from .errors import (
+    InternalError,
+    InvalidArgumentError,
+    InvalidUsageError,
+    NcclError,
+    NcclSystemError,
+    NcclTimeoutError,
+    RemoteError,
+    UnhandledCudaError,
+    make_error,
+)
+from .library import LibraryInfo, NcclLibraryNotFound, library_info, load_library, nccl_version
+
+init_rank = Communicator.init_rank
+
+__all__ = [
+    "Communicator", "DeviceBuffer", "LibraryInfo", "NcclError", "NcclLibraryNotFound",
+    "NcclSystemError", "NcclTimeoutError", "InternalError", "InvalidArgumentError",
+    "InvalidUsageError", "RemoteError", "UnhandledCudaError", "NCCL_TYPES",
+    "DEFAULT_INIT_TIMEOUT", "DEFAULT_OP_TIMEOUT", "UNIQUE_ID_BYTES",
+    "as_buffer", "dtype_name", "get_unique_id", "group", "init_rank", "itemsize",
+    "library_info", "load_library", "make_error", "nccl_type", "nccl_version",
+    "numpy_dtype", "unique_id_from_bytes", "unique_id_to_bytes",
+]

@@ -1,0 +1,366 @@
+"""Unique ids, communicators, collectives and groups over the loaded libnccl.
+
+Non-blocking communicators (``ncclCommInitRankConfig`` with ``blocking=0``)
+are the default because they are the only kind with a way out: every call
+returns at once (``ncclInProgress`` while NCCL works in the background) and
+this module polls ``ncclCommGetAsyncError`` against a deadline, aborting the
+communicator when it passes. A blocking communicator can sit inside
+``ncclCommInitRank`` or the first collective forever when a peer never
+arrives, and nothing can interrupt it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from . import cuda
+from ._ffi import ffi
+from .buffers import DeviceBuffer, as_buffer
+from .dtypes import dtype_name, nccl_type
+from .errors import IN_PROGRESS, SUCCESS, InvalidUsageError, NcclTimeoutError, check, make_error
+from .library import load_library, nccl_version
+
+UNIQUE_ID_BYTES = 128
+DEFAULT_INIT_TIMEOUT = 300.0
+DEFAULT_OP_TIMEOUT = 300.0
+
+_REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_CONFIG_MAGIC = 0xCAFEBEEF
+_CONFIG_VERSION = 21400  # the ncclConfig_t prefix declared in _cdef.py
+_UNDEF_INT = -(2**31)
+
+
+def get_unique_id() -> bytes:
+    """A fresh ``ncclUniqueId`` as 128 bytes. Needs no GPU.
+
+    The id embeds the bootstrap address of a listener in *this* process, so
+    the process must outlive every rank's init.
+    """
+    uid = ffi.new("ncclUniqueId *")
+    check(load_library().ncclGetUniqueId(uid), "ncclGetUniqueId")
+    return unique_id_to_bytes(uid[0])
+
+
+def unique_id_from_bytes(raw: bytes) -> Any:
+    """The C ``ncclUniqueId`` for 128 raw bytes."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a unique id is bytes, got {type(raw).__name__}")
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError(f"a unique id is {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+    uid = ffi.new("ncclUniqueId *")
+    ffi.memmove(uid[0].internal, bytes(raw), UNIQUE_ID_BYTES)
+    return uid[0]
+
+
+def unique_id_to_bytes(uid: Any) -> bytes:
+    """The 128 raw bytes of a C ``ncclUniqueId``."""
+    return bytes(ffi.buffer(uid.internal, UNIQUE_ID_BYTES))
+
+
+def _config(blocking: bool) -> Any:
+    cfg = ffi.new("ncclConfig_t *")
+    cfg.size = ffi.sizeof("ncclConfig_t")
+    cfg.magic = _CONFIG_MAGIC
+    cfg.version = _CONFIG_VERSION
+    cfg.blocking = int(blocking)
+    cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = cfg.splitShare = _UNDEF_INT
+    cfg.netName = ffi.NULL
+    return cfg
+
+
+def _stream_arg(stream: Any) -> Any:
+    handle = 0 if stream is None else getattr(stream, "handle", stream)
+    return ffi.cast("cudaStream_t", int(handle))
+
+
+class Communicator:
+    """One rank's NCCL communicator.
+
+    Build it with ``Communicator.init_rank``. Collectives take raw device
+    pointers (with ``count``/``dtype``) or array objects (see ``buffers.py``)
+    and a CUDA stream handle; they only enqueue work. ``wait(stream)`` waits
+    for it with a deadline. On any failure or expired deadline the
+    communicator is aborted and cannot be used again: mint a new unique id
+    and init again.
+    """
+
+    def __init__(self, handle: Any, *, nranks: int, rank: int, device: int, blocking: bool):
+        self._handle = handle
+        self._lock = threading.Lock()
+        self.nranks = nranks
+        self.rank = rank
+        self.device = device
+        self.blocking = blocking
+        self.closed_reason = ""
+
+    # -- construction ---------------------------------------------------
+    @classmethod
+    def init_rank(cls, nranks: int, unique_id: bytes | Any, rank: int, device: int, *,
+                  blocking: bool = False,
+                  timeout: float | None = DEFAULT_INIT_TIMEOUT) -> "Communicator":
+        """Join the communicator of ``nranks`` ranks named by ``unique_id`` as ``rank``.
+
+        Every rank must call this concurrently; NCCL has no barrier before it.
+        Non-blocking (default): returns once init completes, or aborts and
+        raises ``NcclTimeoutError`` after ``timeout`` seconds. Blocking: NCCL's
+        own ``ncclCommInitRank`` semantics, which cannot be interrupted, so
+        ``timeout`` must be ``None``.
+        """
+        if not isinstance(nranks, int) or nranks < 1:
+            raise ValueError(f"nranks must be a positive int, got {nranks!r}")
+        if not isinstance(rank, int) or not 0 <= rank < nranks:
+            raise ValueError(f"rank {rank!r} is out of range for nranks {nranks}")
+        if not isinstance(device, int) or device < 0:
+            raise ValueError(f"device must be a CUDA ordinal, got {device!r}")
+        if blocking and timeout is not None:
+            raise ValueError(
+                "a blocking init cannot be interrupted, so it takes no timeout; "
+                "use blocking=False for a deadline"
+            )
+        uid = unique_id if isinstance(unique_id, ffi.CData) else unique_id_from_bytes(unique_id)
+        lib = load_library()
+        cuda.use_device(device)
+        out = ffi.new("ncclComm_t *")
+        if blocking:
+            rc = lib.ncclCommInitRank(out, nranks, uid, rank)
+            check(rc, "ncclCommInitRank", out[0] if out[0] != ffi.NULL else None)
+            return cls(out[0], nranks=nranks, rank=rank, device=device, blocking=True)
+        rc = lib.ncclCommInitRankConfig(out, nranks, uid, rank, _config(blocking=False))
+        if out[0] == ffi.NULL:
+            raise make_error(rc if rc != SUCCESS else 3, "ncclCommInitRankConfig")
+        comm = cls(out[0], nranks=nranks, rank=rank, device=device, blocking=False)
+        if rc not in (SUCCESS, IN_PROGRESS):
+            err = make_error(rc, "ncclCommInitRankConfig", out[0])
+            comm.abort()
+            raise err
+        comm._settle("ncclCommInitRank", timeout,
+                     f"rank {rank} of {nranks} waited {timeout}s for the other ranks to "
+                     "join: check that every peer got the same unique id and world size "
+                     "and entered init (vLLM: /init_weight_transfer_engine)")
+        return comm
+
+    # -- state ----------------------------------------------------------
+    def _live(self) -> Any:
+        if self._handle is None:
+            raise InvalidUsageError(
+                f"communicator is closed ({self.closed_reason or 'destroyed'}); "
+                "mint a new unique id and init again"
+            )
+        return self._handle
+
+    def get_async_error(self) -> int:
+        """``ncclCommGetAsyncError``: 0 ok, 7 in progress, else the failure code."""
+        with self._lock:
+            handle = self._live()
+            state = ffi.new("ncclResult_t *")
+            check(load_library().ncclCommGetAsyncError(handle, state), "ncclCommGetAsyncError")
+            return int(state[0])
+
+    def check_async(self, call: str = "NCCL") -> None:
+        """Raise (and abort) if NCCL reported an asynchronous error."""
+        state = self.get_async_error()
+        if state not in (SUCCESS, IN_PROGRESS):
+            err = make_error(state, f"{call} (async)", self._handle)
+            self.abort(f"async error {state}")
+            raise err
+
+    def _settle(self, call: str, timeout: float | None, why: str) -> None:
+        """Poll until NCCL finished the last call on a non-blocking comm."""
+        cuda.poll_until(
+            lambda: self.get_async_error() != IN_PROGRESS, timeout,
+            on_timeout=lambda: self._timeout(call, timeout, why),
+        )
+        self.check_async(call)
+
+    def _timeout(self, call: str, timeout: float | None, why: str) -> NcclTimeoutError:
+        self.abort(f"{call} timed out")
+        return NcclTimeoutError(f"{call} did not complete within {timeout}s; "
+                                f"communicator aborted. {why}")
+
+    def abort(self, reason: str = "aborted") -> None:
+        """``ncclCommAbort``: frees the communicator, unblocking any peer-waiting kernel."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            if handle is None:
+                return
+            self.closed_reason = reason
+        load_library().ncclCommAbort(handle)
+
+    def destroy(self, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """Finalize (flush outstanding work) then destroy; aborts if that stalls."""
+        if self._handle is None:
+            return
+        cuda.use_device(self.device)
+        lib = load_library()
+        rc = lib.ncclCommFinalize(self._live())
+        if rc not in (SUCCESS, IN_PROGRESS):
+            self.abort("finalize failed")
+            return
+        if not self.blocking:
+            try:
+                self._settle("ncclCommFinalize", timeout, "a peer still has work pending")
+            except Exception:
+                return  # already aborted
+        with self._lock:
+            handle, self._handle = self._handle, None
+            self.closed_reason = "destroyed"
+        if handle is not None:
+            lib.ncclCommDestroy(handle)
+
+    finalize = destroy
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.destroy()
+        else:
+            self.abort(f"{exc_type.__name__} in with-block")
+
+    def _query(self, fn: str) -> int:
+        out = ffi.new("int *")
+        check(getattr(load_library(), fn)(self._live(), out), fn, self._handle)
+        return int(out[0])
+
+    def count(self) -> int:
+        return self._query("ncclCommCount")
+
+    def cu_device(self) -> int:
+        return self._query("ncclCommCuDevice")
+
+    def user_rank(self) -> int:
+        return self._query("ncclCommUserRank")
+
+    # -- collectives ----------------------------------------------------
+    def _enqueue(self, call: str, rc: int, timeout: float | None) -> None:
+        if rc not in (SUCCESS, IN_PROGRESS):
+            err = make_error(rc, call, self._handle)
+            self.abort(f"{call} failed")
+            raise err
+        if rc == IN_PROGRESS and not _in_group():
+            self._settle(call, timeout, "a peer did not take part (connection setup stalled)")
+
+    def _buffers(self, send: Any, recv: Any, count: int | None, dtype: Any,
+                 stream: Any) -> tuple[DeviceBuffer, DeviceBuffer]:
+        handle = None if stream is None else int(getattr(stream, "handle", stream))
+        sbuf = as_buffer(send, count, dtype, handle)
+        rbuf = sbuf if recv is None else as_buffer(recv, sbuf.count, sbuf.dtype, handle)
+        return sbuf, rbuf
+
+    def broadcast(self, send: Any, recv: Any = None, *, root: int, count: int | None = None,
+                  dtype: Any = None, stream: Any = None,
+                  timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """``ncclBroadcast`` from ``root``; in place when ``recv`` is None."""
+        sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
+        if not 0 <= root < self.nranks:
+            raise ValueError(f"root {root} is out of range for {self.nranks} ranks")
+        cuda.use_device(self.device)
+        rc = load_library().ncclBroadcast(
+            ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
+            nccl_type(sbuf.dtype, nccl_version()[1]), root, self._live(), _stream_arg(stream))
+        self._enqueue("ncclBroadcast", rc, timeout)
+
+    def all_reduce(self, send: Any, recv: Any = None, *, op: str = "sum",
+                   count: int | None = None, dtype: Any = None, stream: Any = None,
+                   timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """``ncclAllReduce``; in place when ``recv`` is None."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
+        cuda.use_device(self.device)
+        rc = load_library().ncclAllReduce(
+            ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
+            nccl_type(sbuf.dtype, nccl_version()[1]), _REDUCE_OPS[op], self._live(),
+            _stream_arg(stream))
+        self._enqueue("ncclAllReduce", rc, timeout)
+
+    def send(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
+             stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """``ncclSend`` to ``peer``."""
+        b, _ = self._buffers(buf, None, count, dtype, stream)
+        self._check_peer(peer)
+        cuda.use_device(self.device)
+        rc = load_library().ncclSend(ffi.cast("void *", b.ptr), b.count,
+                                     nccl_type(b.dtype, nccl_version()[1]), peer,
+                                     self._live(), _stream_arg(stream))
+        self._enqueue("ncclSend", rc, timeout)
+
+    def recv(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
+             stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """``ncclRecv`` from ``peer``."""
+        b, _ = self._buffers(buf, None, count, dtype, stream)
+        self._check_peer(peer)
+        cuda.use_device(self.device)
+        rc = load_library().ncclRecv(ffi.cast("void *", b.ptr), b.count,
+                                     nccl_type(b.dtype, nccl_version()[1]), peer,
+                                     self._live(), _stream_arg(stream))
+        self._enqueue("ncclRecv", rc, timeout)
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.nranks or peer == self.rank:
+            raise ValueError(f"peer {peer} is not another rank of {self.nranks}")
+
+    def wait(self, stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT,
+             what: str = "collective") -> None:
+        """Wait until the work enqueued on ``stream`` is done, polling NCCL's errors.
+
+        Past ``timeout`` the communicator is aborted (which also releases the
+        stuck kernels) and ``NcclTimeoutError`` is raised.
+        """
+        cuda.use_device(self.device)
+        event = cuda.Event(self.device).record(0 if stream is None else
+                                               getattr(stream, "handle", stream))
+        try:
+            self.wait_event(event, timeout, what)
+        finally:
+            event.close()
+
+    def wait_event(self, event: "cuda.Event", timeout: float | None,
+                   what: str = "collective") -> None:
+        """Wait for ``event`` with a deadline, surfacing NCCL async errors."""
+        cuda.poll_until(
+            event.done, timeout, check=lambda: self.check_async(what),
+            on_timeout=lambda: self._timeout(
+                what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
+        )
+
+
+_group_depth = threading.local()
+
+
+def _in_group() -> bool:
+    return getattr(_group_depth, "n", 0) > 0
+
+
+@contextlib.contextmanager
+def group(*comms: Communicator, timeout: float | None = DEFAULT_OP_TIMEOUT) -> Iterator[None]:
+    """``ncclGroupStart`` / ``ncclGroupEnd`` as a context manager.
+
+    Pass the non-blocking communicators used inside so the end of the group
+    can wait (with ``timeout``) for NCCL to finish enqueuing on each.
+    """
+    lib = load_library()
+    check(lib.ncclGroupStart(), "ncclGroupStart")
+    _group_depth.n = getattr(_group_depth, "n", 0) + 1
+    try:
+        yield
+    finally:
+        _group_depth.n -= 1
+        rc = lib.ncclGroupEnd()
+    if rc not in (SUCCESS, IN_PROGRESS):
+        err = make_error(rc, "ncclGroupEnd")
+        for c in comms:
+            c.abort("ncclGroupEnd failed")
+        raise err
+    if not _in_group():
+        for c in comms:
+            if not c.blocking:
+                c._settle("ncclGroupEnd", timeout, "a peer did not take part")
+
+
+__all__ = ["Communicator", "group", "get_unique_id", "unique_id_from_bytes",
+           "unique_id_to_bytes", "dtype_name", "UNIQUE_ID_BYTES"]

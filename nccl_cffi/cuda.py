@@ -1,0 +1,137 @@
+"""The few CUDA driver calls NCCL's host side needs, through ``cuda.bindings``.
+
+Contexts (NCCL uses the calling thread's current device), non-blocking
+streams, events, device-to-device copies, and a poll-with-deadline wait: the
+driver offers no timed wait, and a stream stuck behind a collective whose
+peer died never completes, so every wait here is a query loop with a way out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import cache
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "cuda-python is needed for device work: pip install 'jax-vllm-nccl[cuda13]'"
+        ) from e
+    return driver
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+def _check(result, call: str):
+    d = _driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != d.CUresult.CUDA_SUCCESS:
+        _, name = d.cuGetErrorName(err)
+        raise CudaError(f"{call} failed: {name.decode() if name else err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def device_count() -> int:
+    """Visible CUDA devices; 0 when there is no driver or no device."""
+    try:
+        d = _driver()
+        if d.cuInit(0)[0] != d.CUresult.CUDA_SUCCESS:
+            return 0
+        return int(_check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
+    except Exception:
+        return 0
+
+
+@cache
+def _primary_context(ordinal: int):
+    d = _driver()
+    _check(d.cuInit(0), "cuInit")
+    dev = _check(d.cuDeviceGet(ordinal), "cuDeviceGet")
+    return _check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+
+
+def use_device(ordinal: int) -> None:
+    """Make ``ordinal``'s primary context current on this thread.
+
+    JAX works in the primary context, and the CUDA runtime inside NCCL takes
+    its device from the current context, so this is all "set device" needs.
+    """
+    _check(_driver().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
+
+
+class Stream:
+    """A non-blocking CUDA stream (never synchronises with the legacy stream)."""
+
+    def __init__(self, device: int):
+        d = _driver()
+        use_device(device)
+        self.device = device
+        self._stream = _check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                              "cuStreamCreate")
+        self.handle = int(self._stream)
+
+    def wait_event(self, event: "Event") -> None:
+        _check(_driver().cuStreamWaitEvent(self._stream, event._event, 0), "cuStreamWaitEvent")
+
+    def close(self) -> None:
+        if self._stream is not None:
+            use_device(self.device)
+            _driver().cuStreamDestroy(self._stream)
+            self._stream = None
+
+
+class Event:
+    """A timing-free CUDA event, recorded on a stream and polled."""
+
+    def __init__(self, device: int):
+        d = _driver()
+        use_device(device)
+        self._event = _check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                             "cuEventCreate")
+
+    def record(self, stream: Stream | int) -> "Event":
+        s = stream._stream if isinstance(stream, Stream) else _driver().CUstream(stream)
+        _check(_driver().cuEventRecord(self._event, s), "cuEventRecord")
+        return self
+
+    def done(self) -> bool:
+        d = _driver()
+        (err,) = d.cuEventQuery(self._event)
+        if err == d.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check((err,), "cuEventQuery")
+        return True
+
+    def close(self) -> None:
+        if self._event is not None:
+            _driver().cuEventDestroy(self._event)
+            self._event = None
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Device-to-device copy of ``nbytes`` on ``stream``."""
+    _check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream._stream), "cuMemcpyDtoDAsync")
+
+
+def poll_until(done: Callable[[], bool], timeout: float | None, *,
+               check: Callable[[], None] = lambda: None,
+               on_timeout: Callable[[], BaseException]) -> None:
+    """Call ``done`` until it is true, ``check`` between calls (it may raise).
+
+    Sleeps back off from 20 us to 1 ms so that short waits stay short and long
+    ones cost no CPU to speak of. Past ``timeout`` seconds, raises
+    ``on_timeout()`` (which is where a caller aborts its communicator).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 2e-5
+    while not done():
+        check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise on_timeout()
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
