@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import cuda
 from ._ffi import ffi
 from .buffers import DeviceBuffer, as_buffer
 from .dtypes import dtype_name, nccl_type
-from .errors import IN_PROGRESS, SUCCESS, InvalidUsageError, NcclTimeoutError, check, make_error
+from .errors import IN_PROGRESS, SUCCESS, InvalidUsageError, NcclTimeoutError, make_error
+from .errors import check as check_rc
 from .library import load_library, nccl_version
 
 UNIQUE_ID_BYTES = 128
@@ -40,7 +41,7 @@ def get_unique_id() -> bytes:
     the process must outlive every rank's init.
     """
     uid = ffi.new("ncclUniqueId *")
-    check(load_library().ncclGetUniqueId(uid), "ncclGetUniqueId")
+    check_rc(load_library().ncclGetUniqueId(uid), "ncclGetUniqueId")
     return unique_id_to_bytes(uid[0])
 
 
@@ -100,14 +101,17 @@ class Communicator:
     @classmethod
     def init_rank(cls, nranks: int, unique_id: bytes | Any, rank: int, device: int, *,
                   blocking: bool = False,
-                  timeout: float | None = DEFAULT_INIT_TIMEOUT) -> "Communicator":
+                  timeout: float | None = DEFAULT_INIT_TIMEOUT,
+                  check: Callable[[], None] | None = None) -> "Communicator":
         """Join the communicator of ``nranks`` ranks named by ``unique_id`` as ``rank``.
 
         Every rank must call this concurrently; NCCL has no barrier before it.
         Non-blocking (default): returns once init completes, or aborts and
         raises ``NcclTimeoutError`` after ``timeout`` seconds. Blocking: NCCL's
         own ``ncclCommInitRank`` semantics, which cannot be interrupted, so
-        ``timeout`` must be ``None``.
+        ``timeout`` must be ``None``. ``check`` is called while waiting; if it
+        raises (say, the server refused init), the init is aborted and its
+        exception propagates.
         """
         if not isinstance(nranks, int) or nranks < 1:
             raise ValueError(f"nranks must be a positive int, got {nranks!r}")
@@ -126,7 +130,7 @@ class Communicator:
         out = ffi.new("ncclComm_t *")
         if blocking:
             rc = lib.ncclCommInitRank(out, nranks, uid, rank)
-            check(rc, "ncclCommInitRank", out[0] if out[0] != ffi.NULL else None)
+            check_rc(rc, "ncclCommInitRank", out[0] if out[0] != ffi.NULL else None)
             return cls(out[0], nranks=nranks, rank=rank, device=device, blocking=True)
         rc = lib.ncclCommInitRankConfig(out, nranks, uid, rank, _config(blocking=False))
         if out[0] == ffi.NULL:
@@ -139,7 +143,7 @@ class Communicator:
         comm._settle("ncclCommInitRank", timeout,
                      f"rank {rank} of {nranks} waited {timeout}s for the other ranks to "
                      "join: check that every peer got the same unique id and world size "
-                     "and entered init (vLLM: /init_weight_transfer_engine)")
+                     "and entered init (vLLM: /init_weight_transfer_engine)", check)
         return comm
 
     # -- state ----------------------------------------------------------
@@ -156,7 +160,7 @@ class Communicator:
         with self._lock:
             handle = self._live()
             state = ffi.new("ncclResult_t *")
-            check(load_library().ncclCommGetAsyncError(handle, state), "ncclCommGetAsyncError")
+            check_rc(load_library().ncclCommGetAsyncError(handle, state), "ncclCommGetAsyncError")
             return int(state[0])
 
     def check_async(self, call: str = "NCCL") -> None:
@@ -167,13 +171,27 @@ class Communicator:
             self.abort(f"async error {state}")
             raise err
 
-    def _settle(self, call: str, timeout: float | None, why: str) -> None:
+    def _settle(self, call: str, timeout: float | None, why: str,
+                check: Callable[[], None] | None = None) -> None:
         """Poll until NCCL finished the last call on a non-blocking comm."""
         cuda.poll_until(
             lambda: self.get_async_error() != IN_PROGRESS, timeout,
+            check=self._guard(call, check),
             on_timeout=lambda: self._timeout(call, timeout, why),
         )
         self.check_async(call)
+
+    def _guard(self, call: str, check: Callable[[], None] | None) -> Callable[[], None]:
+        """``check``, aborting this communicator before its exception escapes."""
+        def run() -> None:
+            if check is None:
+                return
+            try:
+                check()
+            except BaseException:
+                self.abort(f"{call} interrupted")
+                raise
+        return run
 
     def _timeout(self, call: str, timeout: float | None, why: str) -> NcclTimeoutError:
         self.abort(f"{call} timed out")
@@ -223,7 +241,7 @@ class Communicator:
 
     def _query(self, fn: str) -> int:
         out = ffi.new("int *")
-        check(getattr(load_library(), fn)(self._live(), out), fn, self._handle)
+        check_rc(getattr(load_library(), fn)(self._live(), out), fn, self._handle)
         return int(out[0])
 
     def count(self) -> int:
@@ -305,7 +323,7 @@ class Communicator:
             raise ValueError(f"peer {peer} is not another rank of {self.nranks}")
 
     def wait(self, stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT,
-             what: str = "collective") -> None:
+             what: str = "collective", check: Callable[[], None] | None = None) -> None:
         """Wait until the work enqueued on ``stream`` is done, polling NCCL's errors.
 
         Past ``timeout`` the communicator is aborted (which also releases the
@@ -315,15 +333,24 @@ class Communicator:
         event = cuda.Event(self.device).record(0 if stream is None else
                                                getattr(stream, "handle", stream))
         try:
-            self.wait_event(event, timeout, what)
+            self.wait_event(event, timeout, what, check)
         finally:
             event.close()
 
     def wait_event(self, event: "cuda.Event", timeout: float | None,
-                   what: str = "collective") -> None:
-        """Wait for ``event`` with a deadline, surfacing NCCL async errors."""
+                   what: str = "collective", check: Callable[[], None] | None = None) -> None:
+        """Wait for ``event`` with a deadline, surfacing NCCL async errors.
+
+        ``check`` runs between polls; if it raises, the communicator is aborted.
+        """
+        guard = self._guard(what, check)
+
+        def watch() -> None:
+            self.check_async(what)
+            guard()
+
         cuda.poll_until(
-            event.done, timeout, check=lambda: self.check_async(what),
+            event.done, timeout, check=watch,
             on_timeout=lambda: self._timeout(
                 what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
         )
@@ -344,7 +371,7 @@ def group(*comms: Communicator, timeout: float | None = DEFAULT_OP_TIMEOUT) -> I
     can wait (with ``timeout``) for NCCL to finish enqueuing on each.
     """
     lib = load_library()
-    check(lib.ncclGroupStart(), "ncclGroupStart")
+    check_rc(lib.ncclGroupStart(), "ncclGroupStart")
     _group_depth.n = getattr(_group_depth, "n", 0) + 1
     try:
         yield

@@ -135,3 +135,23 @@ def poll_until(done: Callable[[], bool], timeout: float | None, *,
             raise on_timeout()
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
+
+
+class DeviceMemory:
+    """A small ``cuMemAlloc`` buffer for NCCL's own scratch (e.g. the warm-up).
+
+    Bulk buffers come from XLA instead, so they count against its pool.
+    """
+
+    def __init__(self, nbytes: int, device: int):
+        use_device(device)
+        self.device = device
+        self.nbytes = nbytes
+        self.ptr = int(_check(_driver().cuMemAlloc(nbytes), "cuMemAlloc"))
+        _check(_driver().cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
+
+    def free(self) -> None:
+        if self.ptr:
+            use_device(self.device)
+            _driver().cuMemFree(self.ptr)
+            self.ptr = 0

@@ -1,0 +1,93 @@
+"""The unique id as vLLM reads it: 128 bytes, standard padded base64 on the wire.
+
+vLLM decodes with ``base64.b64decode(s, validate=True)``, so the URL-safe
+alphabet, missing padding and whitespace are all rejected, and the result must
+be exactly 128 bytes. ``from_b64`` applies the same rules with messages that
+say which one failed, so a bad id is refused here rather than by the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+
+UNIQUE_ID_BYTES = 128
+B64_LENGTH = 172  # 4 * ceil(128 / 3), ending in one "="
+
+_STD_ALPHABET = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+class UniqueIdError(ValueError):
+    """A unique id (or its base64 form) that vLLM would refuse."""
+
+
+@dataclass(frozen=True)
+class UniqueId:
+    """An ``ncclUniqueId``. It is a credential for joining the group: never printed."""
+
+    raw: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.raw, bytes):
+            raise UniqueIdError(f"a unique id is bytes, got {type(self.raw).__name__}")
+        if len(self.raw) != UNIQUE_ID_BYTES:
+            raise UniqueIdError(
+                f"a unique id is {UNIQUE_ID_BYTES} bytes, got {len(self.raw)}")
+
+    @classmethod
+    def mint(cls) -> "UniqueId":
+        """A fresh id from ``ncclGetUniqueId``; this process must outlive every rank's init."""
+        from nccl_cffi import get_unique_id
+        return cls(get_unique_id())
+
+    def to_b64(self) -> str:
+        """Standard RFC 4648 base64 with padding: what ``nccl_unique_id_b64`` carries."""
+        return base64.b64encode(self.raw).decode("ascii")
+
+    @classmethod
+    def from_b64(cls, text: str) -> "UniqueId":
+        """Decode with exactly vLLM's rules; the error names the rule broken."""
+        if not isinstance(text, str):
+            raise UniqueIdError(f"nccl_unique_id_b64 must be a string, got {type(text).__name__}")
+        if not text:
+            raise UniqueIdError("nccl_unique_id_b64 is empty")
+        if any(c.isspace() for c in text):
+            raise UniqueIdError("nccl_unique_id_b64 contains whitespace; send it as one token")
+        if "-" in text or "_" in text:
+            raise UniqueIdError(
+                "nccl_unique_id_b64 uses the URL-safe alphabet ('-' or '_'); vLLM accepts "
+                "only standard base64 (base64.b64encode, not urlsafe_b64encode)")
+        if not _STD_ALPHABET.fullmatch(text):
+            raise UniqueIdError("nccl_unique_id_b64 has characters outside the base64 alphabet")
+        if len(text) % 4:
+            raise UniqueIdError(
+                f"nccl_unique_id_b64 is {len(text)} characters, not a multiple of 4: "
+                "the '=' padding is missing or the text is truncated")
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise UniqueIdError(f"nccl_unique_id_b64 is not valid standard base64 ({e})") from e
+        if len(raw) != UNIQUE_ID_BYTES:
+            raise UniqueIdError(
+                f"nccl_unique_id_b64 must decode to {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+        return cls(raw)
+
+    def __str__(self) -> str:
+        return "UniqueId(<128 bytes, hidden>)"
+
+
+def check_rendezvous_mode(*, nccl_unique_id_b64: str | None, master_address: str | None,
+                          master_port: int | None) -> UniqueId | None:
+    """vLLM's rule: the unique id, or master address and port, never both nor neither."""
+    has_uid = bool(nccl_unique_id_b64)
+    if has_uid and (master_address is not None or master_port is not None):
+        raise UniqueIdError("pass nccl_unique_id_b64 OR master_address/master_port, not both")
+    if not has_uid:
+        if master_address is None or master_port is None:
+            raise UniqueIdError(
+                "need nccl_unique_id_b64, or both master_address and master_port "
+                f"(got master_address={master_address!r}, master_port={master_port!r})")
+        return None
+    return UniqueId.from_b64(nccl_unique_id_b64)

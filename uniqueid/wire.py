@@ -1,0 +1,152 @@
+"""The JSON bodies of vLLM's weight-transfer routes, as small dataclasses.
+
+``to_payload`` builds exactly what vLLM 0.33.0 reads: JSON booleans and
+integers (never strings), ``packed`` always sent (the worker defaults to
+false), and no key the server does not know unless a feature needs it
+(0.33.0 answers an unknown key with HTTP 500). ``from_payload`` parses with
+vLLM's own rules, for the reference receiver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .codec import UniqueId, check_rendezvous_mode
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
+DEFAULT_PACKED_NUM_BUFFERS = 2
+
+
+def _need_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _need_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _construct(cls, payload: dict[str, Any], what: str):
+    """``cls(**payload)`` with vLLM's error for unknown or missing keys."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"Invalid {what} for NCCLWeightTransferEngine: expected an object")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(payload) - known)
+    if unknown:
+        raise ValueError(
+            f"Invalid {what} for NCCLWeightTransferEngine: {cls.__name__}.__init__() got "
+            f"an unexpected keyword argument {unknown[0]!r}")
+    try:
+        return cls(**payload)
+    except TypeError as e:
+        raise ValueError(f"Invalid {what} for NCCLWeightTransferEngine: {e}") from e
+
+
+@dataclass(kw_only=True)
+class InitInfo:
+    """``init_info`` of ``POST /init_weight_transfer_engine`` (unique-id path)."""
+
+    nccl_unique_id_b64: str = field(repr=False)
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    use_load_plan: bool = False
+    metadata: list[list[Any]] | None = None
+    master_address: str | None = None
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        self.unique_id  # validates mode and id
+        _need_int("rank_offset", self.rank_offset, 1)
+        _need_int("world_size", self.world_size, 2)
+        if self.world_size <= self.rank_offset:
+            raise ValueError(
+                f"world_size {self.world_size} leaves no inference workers after "
+                f"rank_offset {self.rank_offset} trainer ranks")
+        _need_bool("packed", self.packed)
+        _need_int("packed_buffer_size_bytes", self.packed_buffer_size_bytes, 1)
+        _need_int("packed_num_buffers", self.packed_num_buffers, 1)
+        _need_bool("use_load_plan", self.use_load_plan)
+        if self.use_load_plan and not self.metadata:
+            raise ValueError("use_load_plan needs the metadata of every tensor sent")
+
+    @property
+    def unique_id(self) -> UniqueId | None:
+        return check_rendezvous_mode(nccl_unique_id_b64=self.nccl_unique_id_b64,
+                                     master_address=self.master_address,
+                                     master_port=self.master_port)
+
+    def to_payload(self) -> dict[str, Any]:
+        out = {
+            "nccl_unique_id_b64": self.nccl_unique_id_b64,
+            "rank_offset": self.rank_offset,
+            "world_size": self.world_size,
+            "packed": self.packed,
+            "packed_buffer_size_bytes": self.packed_buffer_size_bytes,
+            "packed_num_buffers": self.packed_num_buffers,
+        }
+        if self.use_load_plan:  # [newer] keys, only when the user asks for the plan
+            out["use_load_plan"] = True
+            out["metadata"] = self.metadata
+        return out
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> "InitInfo":
+        """Parse like vLLM's worker: unknown keys and bad ids are errors."""
+        info = dict(payload) if isinstance(payload, dict) else payload
+        if isinstance(info, dict):
+            info.setdefault("packed", False)  # the worker's default
+            info.setdefault("nccl_unique_id_b64", None)
+        return _construct(cls, info, "init_info")
+
+    def __repr__(self) -> str:
+        return (f"InitInfo(rank_offset={self.rank_offset}, world_size={self.world_size}, "
+                f"packed={self.packed}, packed_buffer_size_bytes={self.packed_buffer_size_bytes}, "
+                f"packed_num_buffers={self.packed_num_buffers}, use_load_plan={self.use_load_plan})")
+
+
+@dataclass
+class UpdateInfo:
+    """``update_info`` of ``POST /update_weights`` (dense ``nccl`` backend).
+
+    All three lists empty means "same as the previous call".
+    """
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    src: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n:
+            raise ValueError(f"`dtype_names` should be of the same size as `names`: "
+                             f"got {len(self.dtype_names)} and {n}")
+        if len(self.shapes) != n:
+            raise ValueError(f"`shapes` should be of the same size as `names`: "
+                             f"got {len(self.shapes)} and {n}")
+        _need_int("src", self.src, 0)
+
+    @property
+    def reuse(self) -> bool:
+        return not self.names
+
+    def to_payload(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [[int(d) for d in s] for s in self.shapes],
+        }
+        if self.src:  # [newer]; omitted when 0 so 0.33.0 servers can read it
+            out["src"] = self.src
+        return out
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> "UpdateInfo":
+        return _construct(cls, payload, "update_info")
