@@ -1,0 +1,76 @@
+"""Start the reference receiver (``server.py``) as a child process, and stop it.
+
+The server and its workers run in a process group of their own, killed
+whole on exit, so a failed test or demo never leaves a receiver behind
+holding a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+
+class ReferenceServer:
+    """``with ReferenceServer(gpus=["1"]) as url: ...``"""
+
+    def __init__(self, gpus: Sequence[str | int] = (), *, fail_load_after: int = -1,
+                 start_timeout: float = 300.0):
+        self.gpus = [str(g) for g in gpus]
+        self.fail_load_after = fail_load_after
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"),
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
+             "--fail-load-after", str(self.fail_load_after)],
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"reference server exited with {self.proc.returncode}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith("READY "):
+                    self.url = line.split()[1]
+                    return self.url
+        self.stop()
+        raise TimeoutError(f"reference server not ready within {self.start_timeout}s")
+
+    def kill_worker_group(self) -> None:
+        """Fault injection: kill the server and its workers at once (SIGKILL)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(15)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

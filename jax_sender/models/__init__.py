@@ -1,0 +1,1 @@
+"""Small Flax models with the parameter layout that ``naming.LLAMA`` maps."""

@@ -1,0 +1,107 @@
+"""Tensor metadata and the packed-mode chunk rule, shared by sender and receiver.
+
+vLLM's packed consumer closes a chunk right after the tensor that makes the
+running byte total *strictly greater* than ``packed_buffer_size_bytes``, and
+never splits a tensor. Both sides derive the boundaries from the metadata
+alone, so the sender must compute them exactly the same way: this module is
+the one place that does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nccl_cffi.dtypes import NCCL_TYPES, dtype_name
+
+# What vLLM 0.33.0's worker can receive (its pynccl dtype table); it raises
+# mid-transfer on anything else, so the sender refuses it up front.
+WIRE_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64",
+               "bfloat16", "float8_e4m3fn")
+
+
+class MetadataError(ValueError):
+    """Arrays and metadata disagree, or a tensor cannot travel: nothing was sent."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor as the worker sees it: checkpoint name, torch dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * NCCL_TYPES[self.dtype][1]
+
+    @classmethod
+    def of(cls, name: str, array) -> "TensorMeta":
+        """Metadata of an array (or ``jax.ShapeDtypeStruct``), dtype checked for the wire."""
+        try:
+            dt = dtype_name(array.dtype)
+        except TypeError:
+            dt = str(array.dtype)
+        if dt not in WIRE_DTYPES:
+            raise MetadataError(
+                f"{name!r} has dtype {array.dtype}, which vLLM's NCCL receiver cannot take "
+                f"(supported: {', '.join(WIRE_DTYPES)}); cast it in the transform")
+        return cls(name, dt, tuple(int(d) for d in array.shape))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tensors ``[start, stop)`` laid end to end; ``offsets`` are byte offsets in the chunk."""
+
+    start: int
+    stop: int
+    nbytes: int
+    offsets: tuple[int, ...]
+
+    @property
+    def single(self) -> bool:
+        return self.stop - self.start == 1
+
+
+def plan_chunks(metas: Sequence[TensorMeta], buffer_size: int) -> list[Chunk]:
+    """Chunk boundaries exactly as vLLM's ``packed_nccl_broadcast_consumer`` cuts them."""
+    if buffer_size < 1:
+        raise ValueError(f"buffer size must be positive, got {buffer_size}")
+    chunks: list[Chunk] = []
+    start, total, offsets = 0, 0, []
+    for i, m in enumerate(metas):
+        offsets.append(total)
+        total += m.nbytes
+        if total > buffer_size:
+            chunks.append(Chunk(start, i + 1, total, tuple(offsets)))
+            start, total, offsets = i + 1, 0, []
+    if start < len(metas):
+        chunks.append(Chunk(start, len(metas), total, tuple(offsets)))
+    return chunks
+
+
+def check_unique(metas: Sequence[TensorMeta]) -> None:
+    seen: set[str] = set()
+    for m in metas:
+        if m.name in seen:
+            raise MetadataError(f"tensor name {m.name!r} appears twice")
+        seen.add(m.name)
+
+
+def check_against(expected: Sequence[TensorMeta], actual: Sequence[TensorMeta]) -> None:
+    """Refuse arrays that disagree with declared metadata, naming the first mismatch."""
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        if e != a:
+            raise MetadataError(
+                f"metadata disagrees with the arrays at index {i}: declared {e.name!r} "
+                f"{e.dtype} {e.shape}, got {a.name!r} {a.dtype} {a.shape}. Both must list "
+                "the same tensors in the same order, or the receiver hangs or loads garbage")
+    if len(expected) != len(actual):
+        raise MetadataError(f"metadata declares {len(expected)} tensors but {len(actual)} "
+                            "arrays were given; the receiver would wait for the rest")

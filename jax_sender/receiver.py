@@ -1,0 +1,130 @@
+"""A torch-free worker that receives exactly like a vLLM 0.33.0 NCCL worker.
+
+It joins through the unique-id path with the warm-up, receives packed chunks
+(cut by the same rule, ``plan.plan_chunks``) or one broadcast per tensor,
+reuses the previous metadata on empty updates, and hands each
+``(name, array)`` to a ``load_weights`` callback; the default stores JAX
+arrays. Checksums follow vLLM's ``/weight_checker`` rule: SHA-256 of each
+tensor's raw C-order bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nccl_cffi import Communicator, cuda, numpy_dtype
+from uniqueid import InitInfo, UpdateInfo, handshake
+
+from .packer import buffer_pointer
+from .plan import WIRE_DTYPES, TensorMeta, plan_chunks
+
+LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
+
+
+def _device_zeros(shape: tuple[int, ...], dtype: str, device: jax.Device) -> jax.Array:
+    arr = jax.device_put(jnp.zeros(shape, numpy_dtype(dtype)), device)
+    return arr.block_until_ready()
+
+
+class ReferenceWorker:
+    """One receiving rank (one GPU). Not thread-safe: one call at a time."""
+
+    def __init__(self, device: int = 0, *, worker_rank: int = 0,
+                 load_weights: LoadWeights | None = None, timeout: float = 600.0):
+        self.ordinal = device
+        self.device = next(d for d in jax.local_devices() if d.local_hardware_id == device)
+        self.worker_rank = worker_rank
+        self.timeout = timeout
+        self.store: dict[str, jax.Array] = {}
+        self.load_weights = load_weights or self._store
+        self.comm: Communicator | None = None
+        self.info: InitInfo | None = None
+        self._last: UpdateInfo | None = None
+        self._stream: cuda.Stream | None = None
+
+    def _store(self, pairs: Iterable[tuple[str, jax.Array]]) -> None:
+        for name, arr in pairs:
+            self.store[name] = arr
+
+    def init(self, info: InitInfo) -> None:
+        """``init_transfer_engine``: join as rank ``rank_offset + worker_rank``, warm up."""
+        self.shutdown()
+        rank = info.rank_offset + self.worker_rank
+        if not rank < info.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {info.world_size}")
+        self.comm = handshake(info.world_size, info.unique_id, rank, self.ordinal,
+                              timeout=self.timeout)
+        self.info = info
+        self._last = None
+        self._stream = cuda.Stream(self.ordinal)
+
+    def shutdown(self) -> None:
+        if self.comm is not None:
+            self.comm.abort("shutdown")
+            self.comm = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def receive(self, update: UpdateInfo) -> int:
+        """Receive one ``update_weights`` call's tensors; returns how many."""
+        if self.comm is None or self.info is None:
+            raise RuntimeError("NCCL weight transfer not initialized. "
+                               "Call init_transfer_engine() first.")
+        if not 0 <= update.src < self.info.rank_offset:
+            raise ValueError(f"NCCL update src must be a sender rank in "
+                             f"[0, {self.info.rank_offset}), got {update.src!r}.")
+        if update.names:
+            self._last = update
+        elif self._last is not None:
+            update = self._last
+        metas = []
+        for name, dt, shape in zip(update.names, update.dtype_names, update.shapes):
+            if dt not in WIRE_DTYPES:
+                raise ValueError(f"Unsupported dtype {dt}: should be one of {', '.join(WIRE_DTYPES)}")
+            metas.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
+        if self.info.packed:
+            self._receive_packed(metas, update.src)
+        else:
+            self._receive_unpacked(metas, update.src)
+        return len(metas)
+
+    def _wait(self, what: str) -> None:
+        self.comm.wait(self._stream, self.timeout, what)
+
+    def _receive_unpacked(self, metas: list[TensorMeta], src: int) -> None:
+        for m in metas:
+            arr = _device_zeros(m.shape, m.dtype, self.device)
+            self.comm.broadcast(buffer_pointer(arr), count=m.numel, dtype=m.dtype, root=src,
+                                stream=self._stream, timeout=self.timeout)
+            self._wait(f"broadcast of {m.name}")
+            self.load_weights([(m.name, arr)])
+
+    def _receive_packed(self, metas: list[TensorMeta], src: int) -> None:
+        for c in plan_chunks(metas, self.info.packed_buffer_size_bytes):
+            buf = _device_zeros((c.nbytes,), "uint8", self.device)
+            self.comm.broadcast(buffer_pointer(buf), count=c.nbytes, dtype="uint8", root=src,
+                                stream=self._stream, timeout=self.timeout)
+            outs = []
+            for m, off in zip(metas[c.start:c.stop], c.offsets):
+                arr = _device_zeros(m.shape, m.dtype, self.device)
+                if m.nbytes:
+                    cuda.copy_async(buffer_pointer(arr), buffer_pointer(buf) + off, m.nbytes,
+                                    self._stream)
+                outs.append((m.name, arr))
+            self._wait(f"packed chunk of {c.stop - c.start} tensors")
+            self.load_weights(outs)
+
+    def checksums(self) -> dict[str, str]:
+        """vLLM's rule: SHA-256 of each stored tensor's raw C-order bytes."""
+        return {f"dp0:pp0:pcp0:tp{self.worker_rank}:{name}":
+                hashlib.sha256(np.asarray(arr).tobytes(order="C")).hexdigest()
+                for name, arr in self.store.items()}
+
+    def reset(self) -> None:
+        self.store = {k: jnp.zeros_like(v) for k, v in self.store.items()}

@@ -1,0 +1,270 @@
+"""``WeightSender``: push a JAX model into vLLM workers, with vLLM's update protocol.
+
+One ``send`` is: validate everything (names, dtypes, shapes, order, devices)
+before any collective; ``/start_weight_update``; ``/update_weights`` posted in
+the background *while* the trainer broadcasts (the workers receive inside that
+call); ``/finish_weight_update``. Metadata is sent once: an unchanged round
+posts empty lists, which vLLM reads as "same as last time".
+
+Failures never hang: every wait has a deadline, the HTTP calls are watched
+while NCCL works (a worker that refuses the update before its first
+collective fails the send at once), and any failure aborts the communicator.
+``reconnect()`` then shuts the servers' engines down and forms a new group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from uniqueid import Connection, VLLMClient, connect, in_background
+from uniqueid.wire import UpdateInfo
+
+from .naming import Mapping, named_arrays
+from .packer import Broadcaster
+from .plan import MetadataError, TensorMeta, check_against, check_unique, plan_chunks
+
+log = logging.getLogger("jax_sender")
+
+# Deadline per wait: a floor, plus the time the bytes take at a slow 1 GB/s.
+_TIMEOUT_FLOOR = 60.0
+_SLOW_BYTES_PER_S = 1e9
+
+
+class SendError(RuntimeError):
+    """A send failed after it started; the communicator was aborted. Call ``reconnect()``."""
+
+
+@dataclass
+class SendStats:
+    """What one ``send`` moved and where its time went."""
+
+    bytes: int
+    tensors: int
+    chunks: int
+    packed: bool
+    reused_metadata: bool
+    prepare_s: float
+    start_s: float
+    transfer_s: float
+    finish_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.prepare_s + self.start_s + self.transfer_s + self.finish_s
+
+    @property
+    def transfer_gbps(self) -> float:
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.bytes / 1e9:.3f} GB, {self.tensors} tensors, {self.chunks} "
+                f"{'chunks' if self.packed else 'broadcasts'}: prepare {self.prepare_s:.3f}s, "
+                f"start {self.start_s:.3f}s, transfer {self.transfer_s:.3f}s "
+                f"({self.transfer_gbps:.1f} GB/s), finish {self.finish_s:.3f}s")
+
+
+def _jax_device(ordinal: int) -> jax.Device:
+    for d in jax.local_devices():
+        if d.platform == "gpu" and d.local_hardware_id == ordinal:
+            return d
+    raise RuntimeError(f"no local JAX GPU device with CUDA ordinal {ordinal}")
+
+
+class WeightSender:
+    """The trainer's side of weight transfer to one or more vLLM servers.
+
+    ``mapping`` names pytree leaves and transforms them (see ``naming.py``);
+    ``packed``, buffer size and count come from the connection's init info,
+    which the workers received, so the two sides cannot disagree.
+    """
+
+    def __init__(self, connection: Connection, *, mapping: Mapping = Mapping(),
+                 timeout: float | None = None, reconnect_timeout: float = 300.0):
+        self.connection = connection
+        self.mapping = mapping
+        self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.device = _jax_device(connection.device)
+        self._sent: list[TensorMeta] | None = None
+        self._broadcaster: Broadcaster | None = None
+        self.broken: str = ""
+
+    @classmethod
+    def connect(cls, servers: str | VLLMClient | Sequence[str | VLLMClient], *,
+                device: int | None = None, mapping: Mapping = Mapping(),
+                **connect_kwargs: Any) -> "WeightSender":
+        """``uniqueid.connect`` (init + warm-up) then a sender on the same device.
+
+        ``device``: CUDA ordinal of the trainer's GPU (default: JAX's first GPU).
+        """
+        if device is None:
+            device = jax.local_devices(backend="gpu")[0].local_hardware_id
+        return cls(connect(servers, device=device, **connect_kwargs), mapping=mapping)
+
+    @property
+    def info(self):
+        return self.connection.init_info
+
+    @property
+    def clients(self) -> list[VLLMClient]:
+        return self.connection.clients
+
+    # -- preparation (no collective, no HTTP) ----------------------------
+    def prepare(self, params: Any) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
+        """Metadata of what ``params`` would send, and per tensor (path, source array).
+
+        Shapes and dtypes after the transform come from ``jax.eval_shape``, so
+        nothing runs on the GPU. Raises ``MetadataError`` for anything the
+        workers could not take.
+        """
+        metas, sources = [], []
+        for name, path, arr in named_arrays(params, self.mapping):
+            if not isinstance(name, str) or not name:
+                raise MetadataError(f"parameter at {path} has no checkpoint name")
+            out = jax.eval_shape(lambda a, p=path: self.mapping.transform(p, a), arr)
+            metas.append(TensorMeta.of(name, out))
+            sources.append((path, arr))
+        if not metas:
+            raise MetadataError("nothing to send: the parameter tree has no arrays")
+        check_unique(metas)
+        return metas, sources
+
+    def _materialize(self, path: Any, arr: Any) -> jax.Array:
+        """The transformed array on the sender's device, ready to be read."""
+        if not isinstance(arr, jax.Array) or arr.sharding.device_set != {self.device}:
+            # Sharded or elsewhere: gather to this device (costs one full copy).
+            arr = jax.device_put(arr, self.device)
+        out = self.mapping.transform(path, arr)
+        if out.sharding.device_set != {self.device}:
+            out = jax.device_put(out, self.device)
+        return out.block_until_ready()
+
+    # -- the push ------------------------------------------------------
+    def send(self, params: Any, *, weight_version: str | None = None,
+             metadata: Sequence[TensorMeta] | None = None, pause: str | None = None) -> SendStats:
+        """Push ``params`` (a pytree, or ``(name, array)`` pairs) to every worker.
+
+        ``metadata``: what the caller declared; checked against the arrays
+        before anything is sent. ``pause``: ``"abort"``/``"wait"``/``"keep"``
+        pauses generation for the push and resumes it after.
+        """
+        if self.broken:
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+        t0 = time.perf_counter()
+        metas, sources = self.prepare(params)
+        if metadata is not None:
+            check_against(list(metadata), metas)
+        info = self.info
+        chunks = plan_chunks(metas, info.packed_buffer_size_bytes) if info.packed else []
+        nbytes = sum(m.nbytes for m in metas)
+        timeout = self.timeout or _TIMEOUT_FLOOR + (
+            (info.packed_buffer_size_bytes if info.packed else max(m.nbytes for m in metas))
+            + max(m.nbytes for m in metas)) / _SLOW_BYTES_PER_S
+        reuse = metas == self._sent
+        update = UpdateInfo() if reuse else UpdateInfo(
+            names=[m.name for m in metas], dtype_names=[m.dtype for m in metas],
+            shapes=[list(m.shape) for m in metas])
+        t1 = time.perf_counter()
+        if pause:
+            for c in self.clients:
+                c.pause(pause)
+        try:
+            for c in self.clients:
+                c.start_weight_update()
+            t2 = time.perf_counter()
+            self._transfer(metas, sources, chunks, update, timeout)
+            t3 = time.perf_counter()
+            for c in self.clients:
+                c.finish_weight_update(weight_version)
+            t4 = time.perf_counter()
+        finally:
+            if pause:
+                for c in self.clients:
+                    c.resume()
+        self._sent = metas
+        stats = SendStats(nbytes, len(metas), len(chunks) if info.packed else len(metas),
+                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        log.info("sent %s", stats)
+        return stats
+
+    def _transfer(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]], chunks,
+                  update: UpdateInfo, timeout: float) -> None:
+        payload = update.to_payload()
+        futures: list[Future] = [
+            in_background(c.update_weights, payload, timeout * max(len(chunks), 1) + 60)
+            for c in self.clients]
+
+        def workers_failed() -> None:
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    f.result()
+
+        def get(i: int) -> jax.Array:
+            arr = self._materialize(*sources[i])
+            got = TensorMeta.of(metas[i].name, arr)
+            if got != metas[i]:
+                raise MetadataError(f"{metas[i].name!r}: the transform gave {got.dtype} "
+                                    f"{got.shape}, but {metas[i].dtype} {metas[i].shape} "
+                                    "was declared")
+            return arr
+
+        if self._broadcaster is None:
+            self._broadcaster = Broadcaster(self.connection.comm, self.device,
+                                            self.info.packed_buffer_size_bytes,
+                                            self.info.packed_num_buffers)
+        b = self._broadcaster
+        try:
+            workers_failed()
+            if self.info.packed:
+                b.packed(metas, chunks, get, 0, timeout=timeout, check=workers_failed)
+            else:
+                b.unpacked(metas, get, 0, timeout=timeout, check=workers_failed)
+            deadline = time.monotonic() + timeout
+            for f in futures:
+                f.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except BaseException as e:
+            self._fail(e)
+            raise SendError(f"weight push failed: {e}. The communicator was aborted; "
+                            "call reconnect() before the next send") from e
+
+    def _fail(self, exc: BaseException) -> None:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        self.connection.comm.abort(f"send failed: {type(exc).__name__}")
+        self._sent = None
+
+    # -- lifecycle ------------------------------------------------------
+    def reconnect(self, **connect_kwargs: Any) -> None:
+        """Shut the servers' engines down, mint a new id and form the group again."""
+        old = self.connection
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+        old.close(shutdown_servers=True)
+        i = old.init_info
+        kwargs = dict(packed=i.packed,
+                      packed_buffer_size_bytes=i.packed_buffer_size_bytes,
+                      packed_num_buffers=i.packed_num_buffers, timeout=self.reconnect_timeout)
+        kwargs.update(connect_kwargs)
+        self.connection = connect(old.clients, device=old.device, **kwargs)
+        self._sent = None
+        self.broken = ""
+
+    def close(self) -> None:
+        """Free the streams and arena, shut the servers' engines down, destroy the group."""
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+        self.connection.close(shutdown_servers=not self.broken)
+
+    def __enter__(self) -> "WeightSender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,259 @@
+"""The reference receiver's HTTP front: vLLM's weight-transfer routes, same
+paths, bodies, status codes and error shapes, over N worker processes.
+
+Like vLLM, one API process fans each call out to every worker (one process
+per GPU) and answers once all have; a worker's exception becomes HTTP 500
+``{"error": {"message": "Call to collective_rpc method failed: ...", ...}}``
+and a malformed body HTTP 400. The session rules are vLLM's: update needs a
+started session, a failed update drops it, shutdown is refused mid-session.
+``--gpus`` lists the physical GPUs, one worker each; ``--gpus ''`` runs no
+worker and only validates requests (for CPU tests).
+
+    python -m jax_sender.server --gpus 1,2 --port 8011
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from uniqueid.wire import InitInfo, UpdateInfo
+
+RPC_TIMEOUT = 3600.0
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+@dataclass
+class Workers:
+    """The worker processes and the RPC fan-out to them."""
+
+    conns: list[Connection] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        with self.lock:
+            for c in self.conns:
+                c.send((method, args))
+            results, errors = [], []
+            for i, c in enumerate(self.conns):
+                try:
+                    if not c.poll(RPC_TIMEOUT):
+                        raise TimeoutError(f"worker {i} did not answer {method} in {RPC_TIMEOUT}s")
+                    status, value = c.recv()
+                except (EOFError, OSError) as e:
+                    errors.append(f"worker {i} died ({type(e).__name__})")
+                    continue
+                (results if status == "ok" else errors).append(value)
+        if errors:
+            raise HTTPError(500, f"Call to collective_rpc method failed: {errors[0]}")
+        return results
+
+    def stop(self) -> None:
+        for c in self.conns:
+            c.close()
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def start_workers(gpus: list[str], fail_load_after: int) -> Workers:
+    authkey = secrets.token_bytes(16)
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    w = Workers()
+    for rank, gpu in enumerate(gpus):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, JVN_AUTHKEY=authkey.hex(),
+                   NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+        w.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jax_sender.worker", "--port", str(listener.address[1]),
+             "--worker-rank", str(rank), "--fail-load-after", str(fail_load_after)], env=env))
+    for _ in gpus:
+        conn = listener.accept()
+        if not conn.poll(300):
+            raise TimeoutError("a worker did not start within 300s")
+        conn.recv()
+        w.conns.append(conn)
+    listener.close()
+    return w
+
+
+class State:
+    def __init__(self, workers: Workers):
+        self.workers = workers
+        self.active = False
+        self.version = "default"
+        self.paused = False
+
+
+def _body(raw: bytes, key: str, required: bool = True) -> Any:
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise HTTPError(400, f"Invalid JSON body: {e}") from e
+    if not isinstance(data, dict) or (required and key not in data):
+        raise HTTPError(400, f"body must be an object with field {key!r}")
+    return data.get(key)
+
+
+def route(state: State, method: str, path: str, query: dict[str, list[str]],
+          raw: bytes) -> dict[str, Any]:
+    """One request -> vLLM's JSON answer, or ``HTTPError``."""
+    w = state.workers
+    if (method, path) == ("GET", "/get_world_size"):
+        return {"world_size": len(w.conns)}
+    if (method, path) == ("GET", "/weight_info"):
+        return {"weight_version": state.version}
+    if (method, path) == ("GET", "/is_paused"):
+        return {"is_paused": state.paused}
+    if (method, path) == ("POST", "/pause"):
+        mode = query.get("mode", ["abort"])[0]
+        if mode not in ("abort", "wait", "keep"):
+            raise HTTPError(400, f"Input should be 'abort', 'wait' or 'keep', got {mode!r}")
+        state.paused = True
+        return {"status": "paused"}
+    if (method, path) == ("POST", "/resume"):
+        state.paused = False
+        return {"status": "resumed"}
+    if (method, path) == ("POST", "/init_weight_transfer_engine"):
+        info = _body(raw, "init_info")
+        if not isinstance(info, dict):
+            raise HTTPError(400, "init_info must be an object")
+        try:  # vLLM's parse raises inside the worker RPC -> 500
+            InitInfo.from_payload(info)
+        except (ValueError, TypeError) as e:
+            raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
+        w.call("init", info)
+        return {"message": "Weight transfer initialized"}
+    if (method, path) == ("POST", "/shutdown_weight_transfer_engine"):
+        if state.active:
+            raise HTTPError(500, "Call to collective_rpc method failed: "
+                                 "cannot shut down during an active weight update")
+        w.call("shutdown")
+        return {"message": "Weight transfer shut down"}
+    if (method, path) == ("POST", "/start_weight_update"):
+        if state.active:
+            raise HTTPError(500, "Call to collective_rpc method failed: "
+                                 "start_weight_update called while an update is active")
+        state.active = True
+        return {"message": "Weight update started"}
+    if (method, path) == ("POST", "/update_weights"):
+        info = _body(raw, "update_info")
+        if isinstance(info, list):
+            info = info[0] if info else {}
+        if not state.active:
+            raise HTTPError(500, "Call to collective_rpc method failed: "
+                                 "start_weight_update must be called before update_weights.")
+        try:
+            UpdateInfo.from_payload(info)
+            w.call("receive", info)
+        except (ValueError, TypeError) as e:
+            state.active = False
+            raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
+        except HTTPError:
+            state.active = False  # vLLM drops the session without finishing it
+            raise
+        return {"message": "Weights updated"}
+    if (method, path) == ("POST", "/finish_weight_update"):
+        version = _body(raw, "weight_version", required=False)
+        if not state.active:
+            raise HTTPError(500, "Call to collective_rpc method failed: finish_weight_update "
+                                 "called without a matching start_weight_update")
+        state.active = False
+        if version is not None:
+            state.version = version
+        return {"message": "Weight update finished"}
+    if (method, path) == ("POST", "/weight_checker"):
+        action = _body(raw, "action")
+        baseline = _body(raw, "baseline", required=False)
+        if action not in ("checksum", "reset", "compare"):
+            raise HTTPError(400, "action must be 'checksum', 'reset' or 'compare'")
+        if action == "reset":
+            w.call("reset")
+            return {"status": "reset"}
+        if action == "compare" and baseline is None:
+            raise HTTPError(400, "action='compare' requires a 'baseline' object")
+        sums: dict[str, str] = {}
+        for part in w.call("checksums"):
+            sums.update(part)
+        if action == "checksum":
+            return {"checksums": sums}
+        bad = sorted(k for k in sums.keys() | baseline.keys() if sums.get(k) != baseline.get(k))
+        return {"match": not bad, "mismatches": bad}
+    raise HTTPError(404, "Not Found")
+
+
+def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self, method: str) -> None:
+            url = urlparse(self.path)
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                status, body = 200, route(state, method, url.path, parse_qs(url.query), raw)
+            except HTTPError as e:
+                status = e.status
+                body = {"detail": "Not Found"} if status == 404 else _error_body(status, str(e))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", default="", help="comma-separated physical GPU ids, one worker each")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--fail-load-after", type=int, default=-1)
+    args = ap.parse_args()
+    gpus = [g for g in args.gpus.split(",") if g]
+    workers = start_workers(gpus, args.fail_load_after)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers)))
+    server.daemon_threads = True
+    print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        workers.stop()
+
+
+if __name__ == "__main__":
+    main()
