@@ -59,6 +59,8 @@ class UniqueId:
             raise UniqueIdError(
                 "nccl_unique_id_b64 uses the URL-safe alphabet ('-' or '_'); vLLM accepts "
                 "only standard base64 (base64.b64encode, not urlsafe_b64encode)")
+        if "=" in text.rstrip("="):
+            raise UniqueIdError("nccl_unique_id_b64 has '=' padding before its end")
         if not _STD_ALPHABET.fullmatch(text):
             raise UniqueIdError("nccl_unique_id_b64 has characters outside the base64 alphabet")
         if len(text) % 4:

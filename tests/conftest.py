@@ -1,0 +1,33 @@
+import os
+
+import jax
+import pytest
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+# The pytest process itself stays off the GPUs (XLA would preallocate 75% of
+# every one); GPU tests run their ranks as child processes, one GPU each.
+# A config update, not JAX_PLATFORMS, so the children do not inherit it.
+jax.config.update("jax_platforms", "cpu")
+
+
+def _gpu_count() -> int:
+    import subprocess
+    import sys
+    code = "from nccl_cffi.cuda import device_count; print(device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        return int(out.stdout.strip() or 0)
+    except Exception:
+        return 0
+
+
+GPUS = _gpu_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu4" in item.keywords and GPUS < 4:
+            item.add_marker(pytest.mark.skip(reason=f"needs 4 GPUs, found {GPUS}"))
+        elif "gpu" in item.keywords and GPUS < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {GPUS}"))

@@ -1,0 +1,95 @@
+"""Library discovery, version and unique ids against the real libnccl wheel (no GPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import nccl_cffi
+from nccl_cffi.library import split_version
+
+
+def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k not in ("NCCL_LIBRARY", "VLLM_NCCL_SO_PATH")}
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=e)
+
+
+def test_loads_the_wheel_by_path_and_reports_why():
+    info = nccl_cffi.library_info()
+    assert os.path.isabs(info.path) and os.path.isfile(info.path)
+    assert "nvidia/nccl/lib" in info.path, info
+    assert info.source.startswith("cuda.pathfinder")
+    assert info.tried[0] == "path argument: none given"
+    assert any(t.startswith("$NCCL_LIBRARY") for t in info.tried)
+    assert info.tried[-1].endswith("(loaded)")
+
+
+def test_version_matches_the_installed_wheel():
+    from importlib.metadata import version
+    (major, minor, patch), code = nccl_cffi.nccl_version()
+    assert split_version(code) == (major, minor, patch)
+    assert version("nvidia-nccl-cu13").startswith(f"{major}.{minor}.{patch}")
+
+
+def test_split_version_old_and_new_codes():
+    assert split_version(22809) == (2, 28, 9)
+    assert split_version(2708) == (2, 7, 8)
+
+
+def test_explicit_env_var_wins_and_is_reported():
+    path = nccl_cffi.library_info().path
+    code = "import nccl_cffi; i = nccl_cffi.library_info(); print(i.source, '|', i.path)"
+    for var in ("NCCL_LIBRARY", "VLLM_NCCL_SO_PATH"):
+        out = run_py(code, **{var: path})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"${var} | {path}"
+
+
+def test_missing_explicit_file_falls_through_and_is_listed():
+    code = ("import nccl_cffi; i = nccl_cffi.library_info(); "
+            "print('\\n'.join(i.tried))")
+    out = run_py(code, NCCL_LIBRARY="/nonexistent/libnccl.so.2")
+    assert out.returncode == 0, out.stderr
+    assert "$NCCL_LIBRARY: /nonexistent/libnccl.so.2 does not exist" in out.stdout
+
+
+def test_nothing_found_lists_every_place():
+    # Hide the wheel from pathfinder (no site-packages) and give a non-library file.
+    code = ("import sys; import nccl_cffi.library as L\n"
+            "L._pathfinder_path = lambda: (None, 'cuda.pathfinder: not found (hidden)')\n"
+            "L._system_path = lambda: None\n"
+            "try:\n    L.load_library()\nexcept L.NcclLibraryNotFound as e:\n"
+            "    print(e)\n    sys.exit(0)\nsys.exit(1)\n")
+    out = run_py(code, NCCL_LIBRARY=__file__)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for needle in ("path argument: none given", "$NCCL_LIBRARY:", "did not load",
+                   "$VLLM_NCCL_SO_PATH: not set", "cuda.pathfinder: not found",
+                   "system libnccl.so.2: not set", "Install nvidia-nccl-cu13"):
+        assert needle in out.stdout
+
+
+def test_cannot_switch_library_in_one_process(tmp_path):
+    with pytest.raises(RuntimeError, match="already loaded"):
+        nccl_cffi.load_library(tmp_path / "other.so")
+
+
+def test_unique_ids_are_fresh_128_bytes_and_round_trip():
+    a, b = nccl_cffi.get_unique_id(), nccl_cffi.get_unique_id()
+    assert len(a) == len(b) == nccl_cffi.UNIQUE_ID_BYTES == 128
+    assert a != b
+    c = nccl_cffi.unique_id_from_bytes(a)
+    assert nccl_cffi.unique_id_to_bytes(c) == a
+
+
+@pytest.mark.parametrize("bad", [b"", b"x" * 127, b"x" * 129])
+def test_unique_id_length_is_checked(bad):
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl_cffi.unique_id_from_bytes(bad)
+
+
+def test_unique_id_type_is_checked():
+    with pytest.raises(TypeError):
+        nccl_cffi.unique_id_from_bytes("x" * 128)

@@ -1,0 +1,155 @@
+"""Chunk planning against vLLM's rule, naming and transforms, refusal paths (no GPU)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_sender import LLAMA, Mapping, MetadataError, TensorMeta, llama_name, named_arrays, plan_chunks
+from jax_sender.models.llama import Config, init_params
+from jax_sender.plan import WIRE_DTYPES, check_against, check_unique
+from jax_sender.sender import WeightSender
+
+ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4,
+            "float64": 8, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def vllm_consumer_chunks(meta, target):
+    """A plain-Python rendition of packed_nccl_broadcast_consumer's loop (vLLM 0.33.0)."""
+    it = iter(meta)
+    out = []
+    while True:
+        names, size = [], 0
+        try:
+            while True:
+                name, (shape, dtype) = next(it)
+                tensor_size = math.prod(shape) * ITEMSIZE[dtype]
+                names.append(name)
+                size += tensor_size
+                if size > target:
+                    break
+            out.append((names, size))
+        except StopIteration:
+            if names:
+                out.append((names, size))
+            break
+    return out
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3)
+metas_st = st.lists(st.tuples(shapes, st.sampled_from(WIRE_DTYPES)), min_size=0, max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(metas_st, st.integers(1, 600))
+def test_chunks_match_vllms_consumer(spec, buffer_size):
+    metas = [TensorMeta(f"t{i}", dt, tuple(s)) for i, (s, dt) in enumerate(spec)]
+    ours = plan_chunks(metas, buffer_size)
+    theirs = vllm_consumer_chunks([(m.name, (list(m.shape), m.dtype)) for m in metas], buffer_size)
+    assert [([m.name for m in metas[c.start:c.stop]], c.nbytes) for c in ours] == theirs
+    for c in ours:  # offsets lay tensors end to end, no padding
+        sizes = [m.nbytes for m in metas[c.start:c.stop]]
+        assert list(c.offsets) == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_chunk_rule_edges():
+    m = lambda n: TensorMeta("x", "uint8", (n,))  # noqa: E731
+    # exactly the buffer does not close a chunk; one byte more does
+    assert [(c.start, c.stop) for c in plan_chunks([m(4), m(4), m(1)], 8)] == [(0, 3)]
+    assert [(c.start, c.stop) for c in plan_chunks([m(4), m(5), m(1)], 8)] == [(0, 2), (2, 3)]
+    # a tensor larger than the buffer is never split and closes its chunk
+    big = plan_chunks([m(20), m(1)], 8)
+    assert [(c.start, c.stop, c.nbytes, c.single) for c in big] == [(0, 1, 20, True),
+                                                                     (1, 2, 1, True)]
+    assert plan_chunks([], 8) == []
+    with pytest.raises(ValueError):
+        plan_chunks([m(1)], 0)
+
+
+def test_meta_of_arrays_and_refusals():
+    assert TensorMeta.of("a", jnp.zeros((2, 3), jnp.bfloat16)) == TensorMeta("a", "bfloat16", (2, 3))
+    assert TensorMeta.of("s", jnp.float32(1)).numel == 1
+    assert TensorMeta.of("f8", jnp.zeros(3, jnp.float8_e4m3fn)).nbytes == 3
+    for bad in (jnp.zeros(2, jnp.float8_e5m2), jnp.zeros(2, bool), np.zeros(2, np.complex64),
+                jnp.zeros(2, jnp.uint32)):
+        with pytest.raises(MetadataError, match="cannot take"):
+            TensorMeta.of("bad", bad)
+
+
+def test_metadata_disagreements_are_named():
+    a = [TensorMeta("a", "float32", (2,)), TensorMeta("b", "bfloat16", (3,))]
+    check_against(a, list(a))
+    with pytest.raises(MetadataError, match="index 1: declared 'b' bfloat16"):
+        check_against(a, [a[0], TensorMeta("b", "float16", (3,))])
+    with pytest.raises(MetadataError, match="declares 2 tensors but 1"):
+        check_against(a, a[:1])
+    with pytest.raises(MetadataError, match="appears twice"):
+        check_unique([a[0], a[0]])
+
+
+def test_llama_mapping_on_a_real_flax_model():
+    cfg = Config(vocab=64, hidden=16, intermediate=24, layers=2, heads=4, kv_heads=2, head_dim=4)
+    params = init_params(cfg)
+    named = named_arrays(params, LLAMA)
+    names = [n for n, _, _ in named]
+    assert len(names) == len(set(names)) == 3 + 2 * 11
+    expect = {"model.embed_tokens.weight": (64, 16), "lm_head.weight": (64, 16),
+              "model.norm.weight": (16,),
+              "model.layers.1.self_attn.q_proj.weight": (16, 16),
+              "model.layers.1.self_attn.k_proj.weight": (8, 16),
+              "model.layers.0.self_attn.o_proj.weight": (16, 16),
+              "model.layers.0.self_attn.q_norm.weight": (4,),
+              "model.layers.0.mlp.gate_proj.weight": (24, 16),
+              "model.layers.0.mlp.down_proj.weight": (16, 24),
+              "model.layers.0.input_layernorm.weight": (16,),
+              "model.layers.0.post_attention_layernorm.weight": (16,)}
+    shapes = {n: jax.eval_shape(lambda a, p=p: LLAMA.transform(p, a), a).shape
+              for n, p, a in named}
+    for name, shape in expect.items():
+        assert shapes[name] == shape, name
+    # the transposed kernel is torch's (out, in): y = x @ W.T
+    (_, path, k), = [t for t in named if t[0] == "model.layers.0.mlp.down_proj.weight"]
+    assert np.array_equal(np.asarray(LLAMA.transform(path, k)), np.asarray(k).T)
+
+
+def test_llama_name_rejects_unknown_paths():
+    with pytest.raises(KeyError):
+        llama_name(("mystery", "kernel"))
+    with pytest.raises(KeyError):
+        llama_name(("layers_0", "mlp", "up_proj", "weird"))
+
+
+def test_pairs_keep_their_names_and_custom_mappings():
+    pairs = [("x.weight", jnp.ones((2, 2))), ("y.bias", jnp.zeros(3))]
+    assert [(n, p) for n, p, _ in named_arrays(pairs)] == [("x.weight", ("x.weight",)),
+                                                           ("y.bias", ("y.bias",))]
+    assert [n for n, _, _ in named_arrays(iter(pairs))] == ["x.weight", "y.bias"]
+    m = Mapping(name=lambda p: "/".join(p))
+    assert [n for n, _, _ in named_arrays({"a": {"b": jnp.ones(1)}}, m)] == ["a/b"]
+
+
+def _sender(mapping=LLAMA):
+    """prepare() runs no collective and no HTTP: a sender without a live group."""
+    s = WeightSender.__new__(WeightSender)
+    s.mapping = mapping
+    return s
+
+
+def test_prepare_uses_transformed_metadata_and_refuses_bad_dtypes():
+    cfg = Config(vocab=32, hidden=8, intermediate=12, layers=1, heads=2, kv_heads=1, head_dim=4)
+    metas, _ = _sender().prepare(init_params(cfg))
+    by = {m.name: m for m in metas}
+    assert by["model.layers.0.mlp.up_proj.weight"] == TensorMeta(
+        "model.layers.0.mlp.up_proj.weight", "bfloat16", (12, 8))
+    cast = Mapping(transform=lambda p, a: a.astype(jnp.float32))
+    assert {m.dtype for m in _sender(cast).prepare({"w": jnp.ones(2, jnp.bfloat16)})[0]} == {"float32"}
+    with pytest.raises(MetadataError, match="cannot take"):
+        _sender(Mapping()).prepare({"w": jnp.ones(2, jnp.uint32)})
+    with pytest.raises(MetadataError, match="nothing to send"):
+        _sender(Mapping()).prepare({})
+    with pytest.raises(MetadataError, match="appears twice"):
+        _sender(Mapping()).prepare([("w", jnp.ones(1)), ("w", jnp.ones(1))])
