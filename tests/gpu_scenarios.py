@@ -1,0 +1,194 @@
+"""Rank processes for the GPU tests: ``python tests/gpu_scenarios.py NAME ARGS``.
+
+Each runs on the one GPU its parent put in CUDA_VISIBLE_DEVICES, prints
+``OK ...`` and exits 0, or raises (non-zero exit) with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
+    """Init from one id (blocking or not), all_reduce and broadcast of JAX arrays."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from nccl_cffi import Communicator, cuda, group
+    from uniqueid import UniqueId
+
+    r = int(rank)
+    block = blocking == "1"
+    comm = Communicator.init_rank(2, UniqueId.from_b64(uid_b64).raw, r, 0, blocking=block,
+                                  timeout=None if block else 120)
+    assert (comm.count(), comm.user_rank(), comm.cu_device()) == (2, r, 0)
+    stream = cuda.Stream(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.arange(1000, dtype=dtype) * (r + 1)
+        out = jnp.zeros(1000, dtype).block_until_ready()
+        comm.all_reduce(x, out, stream=stream)
+        comm.wait(stream, 60)
+        assert np.array_equal(np.asarray(out), np.asarray(jnp.arange(1000, dtype=dtype) * 3)), dtype
+        y = (jnp.arange(777, dtype=dtype) + 5) if r == 0 else jnp.zeros(777, dtype)
+        comm.broadcast(y, root=0, stream=stream)
+        comm.wait(stream, 60)
+        assert np.array_equal(np.asarray(y), np.asarray(jnp.arange(777, dtype=dtype) + 5)), dtype
+    # send/recv in a group
+    buf = jnp.full(64, 7 if r == 0 else 0, jnp.int32).block_until_ready()
+    with group(comm):
+        if r == 0:
+            comm.send(buf, peer=1, stream=stream)
+        else:
+            comm.recv(buf, peer=0, stream=stream)
+    comm.wait(stream, 60)
+    assert int(np.asarray(buf).sum()) == 7 * 64
+    comm.destroy()
+    print(f"OK rank {r} blocking={block}")
+
+
+def init_timeout(seconds: str) -> None:
+    """A non-blocking init whose peer never arrives: timeout, abort, no thread left."""
+    from nccl_cffi import Communicator, InvalidUsageError, NcclTimeoutError, get_unique_id
+    limit = float(seconds)
+    before = threading.active_count()
+    t = time.monotonic()
+    try:
+        Communicator.init_rank(2, get_unique_id(), 0, 0, timeout=limit)
+    except NcclTimeoutError as e:
+        took = time.monotonic() - t
+        assert "communicator aborted" in str(e), e
+    else:
+        raise AssertionError("init with an absent peer returned")
+    assert limit <= took <= limit + 1.0, took
+    assert threading.active_count() == before, threading.enumerate()
+    comm = Communicator(None, nranks=2, rank=0, device=0, blocking=False)
+    try:
+        comm.broadcast(0x1000, count=1, dtype="uint8", root=0)
+    except InvalidUsageError:
+        pass
+    print(f"OK timed out after {took:.2f}s (limit {limit}s), threads {threading.active_count()}")
+
+
+def library_pick() -> None:
+    """In a JAX process, the wheel's libnccl is used even if another is mapped."""
+    import jax
+    import jax.numpy as jnp
+
+    import nccl_cffi
+    jnp.ones(4).block_until_ready()
+    jax.devices()
+    before = _mapped_nccl()
+    info = nccl_cffi.library_info()
+    after = _mapped_nccl()
+    assert "nvidia/nccl/lib" in info.path, info
+    assert info.path in after, (info.path, after)
+    print(f"OK using {info}; mapped before load: {sorted(before)}; after: {sorted(after)}")
+
+
+def _mapped_nccl() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {os.path.realpath(line.split()[-1]) for line in f if "libnccl" in line}
+
+
+def _test_tensors(seed: int):
+    import jax
+    import jax.numpy as jnp
+    k = jax.random.split(jax.random.PRNGKey(seed), 8)
+    f = lambda i, s, d: (jax.random.normal(k[i], s) * 3).astype(d)  # noqa: E731
+    return [
+        ("embed.weight", f(0, (1024, 768), jnp.bfloat16)),        # 1.5 MiB > 1 MiB buffer
+        ("a.bf16", f(1, (7, 13), jnp.bfloat16)),
+        ("a.fp16", f(2, (33,), jnp.float16)),
+        ("a.fp32", f(3, (5, 3, 2), jnp.float32)),
+        ("a.fp8", f(4, (129,), jnp.float8_e4m3fn)),
+        ("a.int8", jax.random.randint(k[5], (61,), -128, 127).astype(jnp.int8)),
+        ("a.scalar", jnp.float32(seed + 0.5)),
+        ("a.empty", jnp.zeros((0, 5), jnp.bfloat16)),
+        ("a.i32", jnp.arange(11, dtype=jnp.int32) * 1000003),
+        ("b.big", f(6, (600, 1000), jnp.float32)),                 # 2.4 MB, alone in a chunk
+        ("b.tail", f(7, (3,), jnp.bfloat16)),
+    ]
+
+
+def _checksums(pairs, ranks: int) -> dict[str, str]:
+    import hashlib
+
+    import numpy as np
+    return {f"dp0:pp0:pcp0:tp{r}:{n}": hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+            for n, a in pairs for r in range(ranks)}
+
+
+def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
+    """Sender -> server at ``url``: two versions, metadata reuse, bit-exact checks."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sender import WeightSender
+    packed = mode == "packed"
+    n = int(ranks)
+    sender = WeightSender.connect(url, packed=packed, packed_buffer_size_bytes=1 << 20)
+    client = sender.clients[0]
+    dev = jax.devices()[0]
+    base = dev.memory_stats()["bytes_in_use"]
+    peaks = []
+    for i in range(int(repeat)):
+        pairs = _test_tensors(i)
+        stats = sender.send(pairs, weight_version=f"v{i}")
+        assert stats.reused_metadata == (i > 0), stats
+        if i < 2 or i == int(repeat) - 1:
+            ans = client.weight_checker("compare", baseline=_checksums(pairs, n))
+            assert ans["match"], ans["mismatches"][:5]
+            assert client.weight_info()["weight_version"] == f"v{i}"
+        del pairs
+        peaks.append(dev.memory_stats()["bytes_in_use"] - base)
+    largest = 600 * 1000 * 4
+    bound = 2 * (1 << 20) + largest
+    extra = max(peaks)
+    assert extra <= bound + (1 << 20), (extra, bound)
+    assert peaks[-1] <= peaks[min(1, len(peaks) - 1)] + (1 << 16), peaks[:3] + peaks[-3:]
+    sender.close()
+    print(f"OK {mode} -> {n} receiver(s), {repeat} sends, bit-exact; sender extra memory "
+          f"after sends: first {peaks[0]} B, last {peaks[-1]} B, max {extra} B "
+          f"(bound {bound} B); last: {stats}")
+
+
+def vllm_refused(url: str) -> None:
+    """vLLM 0.33.0 refuses a key it does not know while we sit in ncclCommInitRank."""
+    from uniqueid import RendezvousError, connect
+    t = time.monotonic()
+    try:
+        connect(url, timeout=120, use_load_plan=True, metadata=[["w", "float32", [1]]])
+    except RendezvousError as e:
+        took = time.monotonic() - t
+        assert "use_load_plan" in str(e), e
+    else:
+        raise AssertionError("vLLM 0.33.0 accepted use_load_plan")
+    assert took < 10, took
+    conn = connect(url, timeout=120)
+    conn.close()
+    print(f"OK refused in {took:.2f}s: {str(e)[:160]}...; reconnect with a fresh id worked")
+
+
+def too_large(url: str) -> None:
+    """world_size larger than the workers: a timeout error, not a hang."""
+    from uniqueid import RendezvousTimeout, connect
+    t = time.monotonic()
+    try:
+        connect(url, workers=2, timeout=8)
+    except RendezvousTimeout as e:
+        took = time.monotonic() - t
+    else:
+        raise AssertionError("connect with a too-large world returned")
+    assert 8 <= took <= 10, took
+    print(f"OK timed out in {took:.2f}s: {str(e)[:200]}")
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])

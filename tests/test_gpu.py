@@ -1,0 +1,139 @@
+"""GPU tests: real processes, one GPU each (skipped without two GPUs).
+
+GPU 0 is the trainer; receivers take GPUs 1..3. Every child has a timeout
+and every server is killed with its process group, so a failure never hangs.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jax_sender.harness import ReferenceServer
+from uniqueid import UniqueId
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCENARIOS = str(ROOT / "tests" / "gpu_scenarios.py")
+pytestmark = pytest.mark.gpu
+
+
+def env_for(gpu: str) -> dict:
+    return dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+
+
+def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
+    out = subprocess.run([sys.executable, SCENARIOS, name, *args], env=env_for(gpu),
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout
+    return out.stdout
+
+
+def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, SCENARIOS, name, *args], env=env_for(gpu),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("blocking", ["0", "1"])
+def test_two_ranks_init_all_reduce_broadcast(blocking):
+    uid = UniqueId.mint().to_b64()
+    procs = [start("nccl_pair", str(r), uid, blocking, gpu=str(r)) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-3000:]
+        assert "OK" in o
+
+
+def test_nonblocking_init_times_out_and_aborts():
+    run("init_timeout", "3", timeout=60)
+
+
+def test_wheel_library_is_used_inside_jax():
+    print(run("library_pick"))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_reference_receiver(mode):
+    with ReferenceServer(["1"]) as url:
+        run("send", url, mode, "1", "3", timeout=300)
+
+
+def test_sender_memory_flat_over_100_sends():
+    with ReferenceServer(["1"]) as url:
+        print(run("send", url, "packed", "1", "100", timeout=500))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_three_receivers(mode):
+    with ReferenceServer(["1", "2", "3"]) as url:
+        run("send", url, mode, "3", "2", timeout=300)
+
+
+def test_world_size_too_large_times_out():
+    with ReferenceServer(["1"]) as url:
+        print(run("too_large", url, timeout=120))
+
+
+def test_demo_runs():
+    out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=dict(
+        os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    print(out.stdout[-3000:], out.stderr[-2000:])
+    assert out.returncode == 0 and "demo PASSED" in out.stdout
+
+
+# -- against vLLM 0.33.0's own receiving code (.vllm/, see the README) ---------
+
+VLLM_DIR = ROOT / ".vllm"
+
+
+def _vllm_available() -> bool:
+    code = "import sys; sys.path.insert(0, '.vllm'); import shim, fastapi, vllm"
+    return VLLM_DIR.is_dir() and subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    if not _vllm_available():
+        pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("vllm") / "requests.jsonl"
+    proc = subprocess.Popen([sys.executable, str(VLLM_DIR / "server.py"), "--nccl", "--port",
+                             str(port), "--log", str(log)], env=env_for("1"), cwd=ROOT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url + "/get_world_size", timeout=2)
+            break
+        except httpx.HTTPError:
+            assert proc.poll() is None, "vLLM server exited"
+            time.sleep(1)
+    yield url, log
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_vllm_0_33(vllm_server, mode):
+    url, log = vllm_server
+    run("send", url, mode, "1", "3", timeout=300)
+    print(log.read_text()[-2000:])
+
+
+def test_vllm_refusal_during_init_raises_fast(vllm_server):
+    run("vllm_refused", vllm_server[0], timeout=120)
