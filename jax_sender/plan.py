@@ -86,6 +86,21 @@ def plan_chunks(metas: Sequence[TensorMeta], buffer_size: int) -> list[Chunk]:
     return chunks
 
 
+def check_alignment(metas: Sequence[TensorMeta], chunks: Sequence[Chunk]) -> None:
+    """vLLM's consumer views each tensor in place at its offset in the chunk
+    (``uint8 -> dtype``), which torch allows only at an offset divisible by the
+    dtype's size; a misaligned tensor makes the worker raise mid-stream."""
+    for c in chunks:
+        for m, off in zip(metas[c.start:c.stop], c.offsets):
+            size = NCCL_TYPES[m.dtype][1]
+            if off % size:
+                raise MetadataError(
+                    f"packed mode would place {m.name!r} ({m.dtype}) at byte {off} of its "
+                    f"chunk, not a multiple of {size}: vLLM's packed consumer cannot view it "
+                    "there and would fail mid-transfer. Order tensors by decreasing dtype "
+                    "size (or pad odd-sized small tensors), or use packed=False")
+
+
 def check_unique(metas: Sequence[TensorMeta]) -> None:
     seen: set[str] = set()
     for m in metas:

@@ -21,7 +21,7 @@ from nccl_cffi import Communicator, cuda, numpy_dtype
 from uniqueid import InitInfo, UpdateInfo, handshake
 
 from .packer import buffer_pointer
-from .plan import WIRE_DTYPES, TensorMeta, plan_chunks
+from .plan import WIRE_DTYPES, TensorMeta, check_alignment, plan_chunks
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
 
@@ -106,7 +106,9 @@ class ReferenceWorker:
             self.load_weights([(m.name, arr)])
 
     def _receive_packed(self, metas: list[TensorMeta], src: int) -> None:
-        for c in plan_chunks(metas, self.info.packed_buffer_size_bytes):
+        chunks = plan_chunks(metas, self.info.packed_buffer_size_bytes)
+        check_alignment(metas, chunks)  # where vLLM's consumer would raise
+        for c in chunks:
             buf = _device_zeros((c.nbytes,), "uint8", self.device)
             self.comm.broadcast(buffer_pointer(buf), count=c.nbytes, dtype="uint8", root=src,
                                 stream=self._stream, timeout=self.timeout)

@@ -28,7 +28,8 @@ from uniqueid.wire import UpdateInfo
 
 from .naming import Mapping, named_arrays
 from .packer import Broadcaster
-from .plan import MetadataError, TensorMeta, check_against, check_unique, plan_chunks
+from .plan import (MetadataError, TensorMeta, check_against, check_alignment, check_unique,
+                   plan_chunks)
 
 log = logging.getLogger("jax_sender")
 
@@ -163,6 +164,7 @@ class WeightSender:
             check_against(list(metadata), metas)
         info = self.info
         chunks = plan_chunks(metas, info.packed_buffer_size_bytes) if info.packed else []
+        check_alignment(metas, chunks)
         nbytes = sum(m.nbytes for m in metas)
         timeout = self.timeout or _TIMEOUT_FLOOR + (
             (info.packed_buffer_size_bytes if info.packed else max(m.nbytes for m in metas))

@@ -102,7 +102,7 @@ def _vllm_available() -> bool:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vllm_server(tmp_path_factory):
     if not _vllm_available():
         pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
@@ -110,9 +110,10 @@ def vllm_server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("vllm") / "requests.jsonl"
+    out = open(log.with_suffix(".out"), "w")
     proc = subprocess.Popen([sys.executable, str(VLLM_DIR / "server.py"), "--nccl", "--port",
                              str(port), "--log", str(log)], env=env_for("1"), cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     import httpx
     deadline = time.monotonic() + 180
@@ -126,13 +127,15 @@ def vllm_server(tmp_path_factory):
     yield url, log
     os.killpg(proc.pid, 9)
     proc.wait()
+    out.close()
+    print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
+    print("vLLM requests:", log.read_text()[-3000:] if log.exists() else "none")
 
 
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
 def test_send_to_vllm_0_33(vllm_server, mode):
     url, log = vllm_server
     run("send", url, mode, "1", "3", timeout=300)
-    print(log.read_text()[-2000:])
 
 
 def test_vllm_refusal_during_init_raises_fast(vllm_server):

@@ -153,3 +153,15 @@ def test_prepare_uses_transformed_metadata_and_refuses_bad_dtypes():
         _sender(Mapping()).prepare({})
     with pytest.raises(MetadataError, match="appears twice"):
         _sender(Mapping()).prepare([("w", jnp.ones(1)), ("w", jnp.ones(1))])
+
+
+def test_misaligned_packed_layout_is_refused_up_front():
+    from jax_sender.plan import check_alignment
+    metas = [TensorMeta("odd", "uint8", (3,)), TensorMeta("f", "float32", (2,))]
+    with pytest.raises(MetadataError, match="'f' .* at byte 3 .* multiple of 4"):
+        check_alignment(metas, plan_chunks(metas, 1 << 20))
+    aligned = [metas[1], metas[0]]
+    check_alignment(aligned, plan_chunks(aligned, 1 << 20))
+    # a chunk boundary resets the offset: after a closing tensor, alignment starts over
+    split = [TensorMeta("big", "uint8", (9,)), TensorMeta("f", "float32", (2,))]
+    check_alignment(split, plan_chunks(split, 8))
