@@ -2,8 +2,9 @@
 
 ABI mode needs no compiler and no NCCL headers at install time; the library
 is opened with ``dlopen`` at run time, from a path this package chooses (see
-``library.py``). Run directly (``python nccl_cffi/_build.py``) to emit the
-module in a source tree that was not installed with pip.
+``library.py``). The emitted module is committed, because editable installs
+do not run cffi's build step; after editing ``_cdef.py`` run
+``python nccl_cffi/_build.py`` (a test checks the two agree).
 """
 
 import importlib.util

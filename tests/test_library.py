@@ -93,3 +93,20 @@ def test_unique_id_length_is_checked(bad):
 def test_unique_id_type_is_checked():
     with pytest.raises(TypeError):
         nccl_cffi.unique_id_from_bytes("x" * 128)
+
+
+def test_committed_ffi_module_matches_the_cdef():
+    from cffi import FFI
+
+    from nccl_cffi._cdef import CDEF
+    from nccl_cffi._ffi import ffi as committed
+    fresh = FFI()
+    fresh.cdef(CDEF)
+    assert committed.list_types() == fresh.list_types()
+    for t in ("ncclConfig_t", "ncclUniqueId", "DLTensor", "DLManagedTensorVersioned"):
+        assert committed.sizeof(t) == fresh.sizeof(t), t
+    names = [ln.split("(")[0].split()[-1].lstrip("*") for ln in CDEF.splitlines()
+             if ln.startswith(("ncclResult_t nccl", "const char* nccl"))]
+    lib = nccl_cffi.load_library()
+    for n in names:
+        assert callable(getattr(lib, n)), n
