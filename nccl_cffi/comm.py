@@ -299,24 +299,22 @@ class Communicator:
     def send(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
              stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
         """``ncclSend`` to ``peer``."""
-        b, _ = self._buffers(buf, None, count, dtype, stream)
-        self._check_peer(peer)
-        cuda.use_device(self.device)
-        rc = load_library().ncclSend(ffi.cast("void *", b.ptr), b.count,
-                                     nccl_type(b.dtype, nccl_version()[1]), peer,
-                                     self._live(), _stream_arg(stream))
-        self._enqueue("ncclSend", rc, timeout)
+        self._p2p("ncclSend", buf, peer, count, dtype, stream, timeout)
 
     def recv(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
              stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
         """``ncclRecv`` from ``peer``."""
+        self._p2p("ncclRecv", buf, peer, count, dtype, stream, timeout)
+
+    def _p2p(self, call: str, buf: Any, peer: int, count: int | None, dtype: Any,
+             stream: Any, timeout: float | None) -> None:
         b, _ = self._buffers(buf, None, count, dtype, stream)
         self._check_peer(peer)
         cuda.use_device(self.device)
-        rc = load_library().ncclRecv(ffi.cast("void *", b.ptr), b.count,
-                                     nccl_type(b.dtype, nccl_version()[1]), peer,
-                                     self._live(), _stream_arg(stream))
-        self._enqueue("ncclRecv", rc, timeout)
+        rc = getattr(load_library(), call)(ffi.cast("void *", b.ptr), b.count,
+                                           nccl_type(b.dtype, nccl_version()[1]), peer,
+                                           self._live(), _stream_arg(stream))
+        self._enqueue(call, rc, timeout)
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.nranks or peer == self.rank:
