@@ -99,8 +99,12 @@ class Connection:
                     c.shutdown_weight_transfer_engine()
                 except (VLLMHTTPError, VLLMConnectionError):
                     pass
-        if self.comm._handle is not None:
-            self.comm.abort("closed") if self.comm.get_async_error() else self.comm.destroy()
+        if self.comm._handle is None:
+            return
+        if self.comm.get_async_error():  # in progress or failed: nothing left to flush
+            self.comm.abort("closed")
+        else:
+            self.comm.destroy()
 
 
 def _as_clients(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> list[VLLMClient]:
