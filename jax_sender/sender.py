@@ -166,9 +166,10 @@ class WeightSender:
         chunks = plan_chunks(metas, info.packed_buffer_size_bytes) if info.packed else []
         check_alignment(metas, chunks)
         nbytes = sum(m.nbytes for m in metas)
+        largest = max(m.nbytes for m in metas)
         timeout = self.timeout or _TIMEOUT_FLOOR + (
-            (info.packed_buffer_size_bytes if info.packed else max(m.nbytes for m in metas))
-            + max(m.nbytes for m in metas)) / _SLOW_BYTES_PER_S
+            (info.packed_buffer_size_bytes if info.packed else largest) + largest
+        ) / _SLOW_BYTES_PER_S
         reuse = metas == self._sent
         update = UpdateInfo() if reuse else UpdateInfo(
             names=[m.name for m in metas], dtype_names=[m.dtype for m in metas],
