@@ -1,21 +1,34 @@
-"""Weight-push throughput next to its baseline, measured in the same run.
+"""Weight-push throughput, latency and memory, next to baselines measured in the same run.
 
-    python benches/bench.py [--reps 5] [--receivers 1] [--vllm]
+    python benches/bench.py [--reps 5] [--quick]      # on a machine with >= 2 GPUs
+    python benches/bench.py --plot results/bench.json  # redraw the plot elsewhere
 
-Rows: raw ``ncclBroadcast`` of one pre-allocated 1 GiB buffer through this
-project's binding (the baseline); packed and unpacked ``send`` of the
-``qwen3-8b`` workload (bf16, 399 tensors, ~16.4 GB) into the reference
-receiver and, with ``--vllm``, into vLLM 0.33.0's own consumer
-(``.vllm/server.py --nccl``). Send time is from ``send()`` entering the
-transfer to every worker answering ``/update_weights``, i.e. holding every
-tensor. Each row: median and best of ``--reps`` runs after one warm-up.
-Writes ``results/bench.md``.
+GPU 0 is the trainer, GPU 1 the receiver. Rows:
+
+- raw ``ncclBroadcast`` of one pre-allocated 1 GiB buffer through this
+  project's binding, 10 back to back per repetition (algbw): the baseline;
+- init + warm-up without HTTP: ``uniqueid.handshake`` against vLLM's
+  ``PyNcclCommunicator.from_unique_id_bytes`` (both ranks start together);
+- ``send`` of the workloads into vLLM 0.33.0's own consumer
+  (``.vllm/server.py --nccl``), packed and unpacked, next to vLLM's own torch
+  sender (``NCCLTrainerWeightTransferEngine``) pushing the same tensors into
+  the same server; a buffer-size sweep; ``many-small``; ``large``.
+
+Send time is what the issue asks for: from posting ``/update_weights`` (the
+broadcasts start at once) to its answer, i.e. every worker holding every
+tensor; ``broadcast`` is the sender's own first-launch-to-last-done span.
+Each row: median and best of ``--reps`` after one warm-up. Writes
+``results/bench.md``, ``results/bench.json`` and, with matplotlib,
+``results/bench.png``. Without ``.vllm/`` the sends go to the reference
+receiver and the torch rows are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import math
 import os
 import pathlib
 import socket
@@ -26,113 +39,285 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-GiB = 1 << 30
+GiB, MiB = 1 << 30, 1 << 20
+OUT = ROOT / "results"
 
 
-def qwen3_8b():
-    """(name, shape) of a Qwen3-8B-shaped decoder, in checkpoint (torch) layout."""
-    h, i, v, hd, nq, nkv = 4096, 12288, 151936, 128, 32, 8
-    out = [("model.embed_tokens.weight", (v, h))]
-    for n in range(36):
-        p = f"model.layers.{n}."
-        out += [(p + "self_attn.q_proj.weight", (nq * hd, h)),
-                (p + "self_attn.k_proj.weight", (nkv * hd, h)),
-                (p + "self_attn.v_proj.weight", (nkv * hd, h)),
-                (p + "self_attn.o_proj.weight", (h, nq * hd)),
-                (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
-                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i)),
-                (p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,))]
-    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+# -- workloads: (name, shape), all bfloat16 ---------------------------------------
+
+def _layer(n: int) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, hd, nq, nkv = 4096, 12288, 128, 32, 8
+    p = f"model.layers.{n}."
+    return [(p + "self_attn.q_proj.weight", (nq * hd, h)),
+            (p + "self_attn.k_proj.weight", (nkv * hd, h)),
+            (p + "self_attn.v_proj.weight", (nkv * hd, h)),
+            (p + "self_attn.o_proj.weight", (h, nq * hd)),
+            (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+            (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+            (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+
+
+def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``qwen3-8b`` (~16.4 GB), ``many-small`` (20,000 x 32 KiB), ``large`` (~70 GB)."""
+    if name == "qwen3-8b":
+        v, h = 151936, 4096
+        body = [t for n in range(36) for t in _layer(n)]
+        return ([("model.embed_tokens.weight", (v, h))] + body
+                + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))])
+    if name == "many-small":
+        return [(f"model.experts.{i}.w", (16384,)) for i in range(20000)]
+    if name == "large":
+        per_layer = sum(math.prod(s) * 2 for _, s in _layer(0))
+        return [t for n in range(round(70e9 / per_layer)) for t in _layer(n)]
+    raise ValueError(name)
 
 
 def _env(gpu: str) -> dict:
     return dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
 
 
-# -- child roles ---------------------------------------------------------------
+def _vllm_path() -> None:
+    sys.path.insert(0, str(ROOT / ".vllm"))
+    import shim
+    shim.load()
 
-def role_raw(rank: str, nranks: str, uid: str, reps: str) -> None:
+
+def _emit(obj) -> None:
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+# -- child roles (one GPU each) -------------------------------------------------
+
+def role_raw(rank: str, uid: str, reps: str) -> None:
     import jax.numpy as jnp
 
     from nccl_cffi import Communicator, cuda
     from uniqueid import UniqueId, warm_up
-    comm = Communicator.init_rank(int(nranks), UniqueId.from_b64(uid).raw, int(rank), 0,
-                                  timeout=120)
+    comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0, timeout=120)
     warm_up(comm, 60)
     buf = jnp.zeros((GiB,), jnp.uint8).block_until_ready()
     stream = cuda.Stream(0)
     times = []
-    for k in range(int(reps) + 2):  # 10 back-to-back broadcasts per rep: algbw, not latency
+    for _ in range(int(reps) + 2):
         t = time.perf_counter()
         for _ in range(10):
             comm.broadcast(buf, root=0, stream=stream)
         comm.wait(stream, 60)
         times.append((time.perf_counter() - t) / 10)
-    if rank == "0":
-        print("RESULT " + json.dumps(times[2:]))
+    _emit(times[2:])
     comm.destroy()
 
 
-def role_send(url: str, mode: str, reps: str) -> None:
+def _at(start: float) -> None:
+    time.sleep(max(start - time.time(), 0.0))
+
+
+def role_init_ours(rank: str, uids: str, start: str) -> None:
+    from uniqueid import UniqueId, handshake
+    times = []
+    for i, uid in enumerate(json.loads(uids)):
+        _at(float(start) + 2.0 * i)
+        t = time.perf_counter()
+        comm = handshake(2, UniqueId.from_b64(uid), int(rank), 0, timeout=60)
+        times.append(time.perf_counter() - t)
+        comm.destroy()
+    _emit(times)
+
+
+def role_init_vllm(rank: str, uids: str, start: str) -> None:
+    _vllm_path()
+    import torch
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    torch.cuda.set_device(0)
+    times = []
+    for i, uid in enumerate(json.loads(uids)):
+        _at(float(start) + 2.0 * i)
+        t = time.perf_counter()
+        comm = PyNcclCommunicator.from_unique_id_bytes(base64.b64decode(uid), int(rank), 2, 0)
+        times.append(time.perf_counter() - t)
+        comm.destroy()
+    _emit(times)
+
+
+def role_jax(url: str, jobs: str) -> None:
+    """Our sender, one process for every job (a job: workload, mode, buffer geometry)."""
     import jax
     import jax.numpy as jnp
 
     from jax_sender import WeightSender
-    keys = jax.random.split(jax.random.PRNGKey(0), 400)
-    pairs = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(qwen3_8b(), keys)]
-    jax.block_until_ready([a for _, a in pairs])
     dev = jax.devices()[0]
-    base = dev.memory_stats()["bytes_in_use"]
-    sender = WeightSender.connect(url, packed=mode == "packed")
-    stats = [sender.send(pairs) for _ in range(int(reps) + 1)][1:]
-    extra = dev.memory_stats()["peak_bytes_in_use"] - base
-    print("RESULT " + json.dumps({"transfer": [s.transfer_s for s in stats],
-                                  "total": [s.total_s for s in stats], "bytes": stats[0].bytes,
-                                  "chunks": stats[0].chunks, "extra_peak": extra}))
+    sender, pairs, current = None, None, None
+    for job in json.loads(jobs):
+        if job["workload"] != current:
+            pairs = None  # free the previous workload first
+            spec = workload(job["workload"])
+            keys = jax.random.split(jax.random.PRNGKey(0), len(spec))
+            pairs = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(spec, keys)]
+            jax.block_until_ready([a for _, a in pairs])
+            current = job["workload"]
+        geometry = dict(packed=job["mode"] == "packed", packed_buffer_size_bytes=job["buffer"],
+                        packed_num_buffers=job["nbuf"])
+        if sender is None:
+            sender = WeightSender.connect(url, **geometry)
+        else:
+            sender.reconnect(**geometry)  # frees the previous arena
+        base = dev.memory_stats()["bytes_in_use"]
+        stats = [sender.send(pairs) for _ in range(job["reps"] + 1)][1:]
+        s = stats[0]
+        _emit(dict(job, transfer=[x.transfer_s for x in stats],
+                   broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
+                   prepare=[x.prepare_s for x in stats], bytes=s.bytes, tensors=s.tensors,
+                   chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
+                   held=dev.memory_stats()["bytes_in_use"] - base,
+                   # the process-wide peak: meaningful for the first job only
+                   peak=dev.memory_stats()["peak_bytes_in_use"] - base))
     sender.close()
+
+
+def role_torch(url: str, jobs: str) -> None:
+    """vLLM 0.33.0's own trainer engine (torch), same workloads, same server."""
+    from functools import cached_property
+
+    _vllm_path()
+    import torch
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                              NCCLTrainerWeightTransferEngine)
+
+    from uniqueid import VLLMClient
+    torch.cuda.set_device(0)
+
+    class Source(WeightSource):
+        def __init__(self, pairs):
+            self.pairs = pairs
+
+        @cached_property
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pairs]
+
+        def iter_full(self):
+            yield from self.pairs
+
+    class TimedClient:
+        """vLLM's client protocol over our HTTP client, timing ``update_weights``."""
+
+        def __init__(self):
+            self.http = VLLMClient(url)
+            self.spans: list[float] = []
+
+        def init_weight_transfer_engine(self, init_info):
+            self.http.init_weight_transfer_engine(init_info)
+
+        def start_weight_update(self):
+            self.http.start_weight_update()
+
+        def update_weights(self, update_info):
+            t = time.perf_counter()
+            self.http.update_weights(update_info)
+            self.spans.append(time.perf_counter() - t)
+
+        def finish_weight_update(self, weight_version=None):
+            self.http.finish_weight_update(weight_version)
+
+    pairs, current = None, None
+    for job in json.loads(jobs):
+        if job["workload"] != current:
+            pairs = None
+            torch.cuda.empty_cache()
+            pairs = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
+                     for n, s in workload(job["workload"])]
+            current = job["workload"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        client = TimedClient()
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,
+                                packed=job["mode"] == "packed",
+                                packed_buffer_size_bytes=job["buffer"],
+                                packed_num_buffers=job["nbuf"]),
+            client=client, source=Source(pairs))
+        totals = []
+        for _ in range(job["reps"] + 1):
+            t = time.perf_counter()
+            engine.send_weights()
+            totals.append(time.perf_counter() - t)
+        engine.shutdown()
+        client.http.shutdown_weight_transfer_engine()
+        _emit(dict(job, transfer=client.spans[1:], total=totals[1:],
+                   bytes=sum(t.numel() * t.element_size() for _, t in pairs),
+                   tensors=len(pairs)))
 
 
 # -- orchestration -------------------------------------------------------------
 
-def _result(proc: subprocess.CompletedProcess):
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"no result:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+def _results(out: str, err: str) -> list:
+    found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        raise RuntimeError(f"no result:\n{out[-2000:]}\n{err[-4000:]}")
+    return found
 
 
-def raw(nranks: int, reps: int) -> list[float]:
+def _pair(role: str, *args: str, timeout: float = 300) -> list:
+    """Run ``role`` as ranks 0 and 1 (GPUs 0 and 1); rank 0's results."""
+    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args], env=_env(str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [_results(*o) for o in outs]
+
+
+def _one(role: str, *args: str, timeout: float = 580) -> list:
+    p = subprocess.run([sys.executable, __file__, role, *args], env=_env("0"),
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode:
+        print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
+    return _results(p.stdout, p.stderr)
+
+
+def _uid() -> str:
     from uniqueid import UniqueId
-    uid = UniqueId.mint().to_b64()
-    procs = [subprocess.Popen([sys.executable, __file__, "role_raw", str(r), str(nranks), uid,
-                               str(reps)], env=_env(str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(nranks)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    return _result(subprocess.CompletedProcess([], 0, outs[0][0], outs[0][1]))
+    return UniqueId.mint().to_b64()
 
 
-def send(url: str, mode: str, reps: int) -> dict:
-    p = subprocess.run([sys.executable, __file__, "role_send", url, mode, str(reps)],
-                       env=_env("0"), capture_output=True, text=True, timeout=500)
-    return _result(p)
+def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
+    """Both ranks start each round at the same wall-clock instant; a round
+    takes as long as its slower rank. Round 0 (library load, CUDA context) is dropped."""
+    out = {}
+    roles = [("ours", "role_init_ours")] + ([("vllm", "role_init_vllm")] if vllm else [])
+    for label, role in roles:
+        start = str(time.time() + (25 if label == "vllm" else 10))  # imports first
+        uids = json.dumps([_uid() for _ in range(reps + 1)])
+        ranks = _pair(role, uids, start, timeout=120 + 2 * reps)
+        out[label] = [max(a, b) for a, b in zip(ranks[0][0], ranks[1][0])][1:]
+    return out
 
 
 class VLLMServer:
+    """vLLM 0.33.0's real weight-sync routes and engine on GPU 1."""
+
     def __init__(self, gpu: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        OUT.mkdir(exist_ok=True)
+        self.log = open(OUT / "vllm_server.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / ".vllm" / "server.py"), "--nccl", "--port",
              str(self.port), "--log", "/tmp/bench_vllm.jsonl"], env=_env(gpu),
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> str:
         import httpx
         url = f"http://127.0.0.1:{self.port}"
         for _ in range(180):
+            if self.proc.poll() is not None:
+                raise RuntimeError("vLLM server exited; see results/vllm_server.log")
             try:
                 httpx.get(url + "/get_world_size", timeout=2)
                 return url
@@ -143,43 +328,147 @@ class VLLMServer:
     def __exit__(self, *exc) -> None:
         os.killpg(self.proc.pid, 9)
         self.proc.wait()
+        self.log.close()
+
+
+def _job(workload_: str, mode: str, reps: int, buffer: int = GiB, nbuf: int = 2) -> dict:
+    return dict(workload=workload_, mode=mode, buffer=buffer, nbuf=nbuf, reps=reps)
+
+
+def _vllm_available() -> bool:
+    code = "import sys; sys.path.insert(0, '.vllm'); import shim, fastapi, vllm"
+    return (ROOT / ".vllm").is_dir() and subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
+
+
+def run(reps: int, quick: bool) -> dict:
+    from jax_sender.harness import ReferenceServer
+    data: dict = {"reps": reps}
+    data["raw"] = _pair("role_raw", _uid(), str(reps))[0][0]
+    vllm = _vllm_available()
+    data["init"] = _init_latency(reps, vllm)
+    main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
+    sweep = [] if quick else [
+        _job("qwen3-8b", "packed", reps, b * MiB, n)
+        for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
+    extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
+    with (VLLMServer("1") if vllm else ReferenceServer(["1"])) as url:
+        data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
+        data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
+        if vllm:
+            data["torch"] = _one("role_torch", url, json.dumps(main + extra))
+    return data
+
+
+# -- report ----------------------------------------------------------------------
+
+def _row(name: str, nbytes: int, times: list[float], base: float | None, note: str = "") -> str:
+    med, best = statistics.median(times), min(times)
+    gbps = nbytes / med / 1e9
+    ratio = f"{gbps / base:.2f}" if base else ""
+    return f"| {name} | {med:.4f} | {best:.4f} | {gbps:.1f} | {ratio} | {note} |"
+
+
+def report(data: dict) -> str:
+    raw = GiB / statistics.median(data["raw"]) / 1e9
+    target = data["target"]
+    lines = [f"Receiver: {target}, GPU 1; sender GPU 0; {data['reps']} timed repetitions "
+             "after one warm-up.", "",
+             "| figure | median s | best s | median GB/s | ratio | notes |",
+             "| --- | --- | --- | --- | --- | --- |",
+             _row("raw ncclBroadcast 1 GiB, 2 ranks (baseline)", GiB, data["raw"], raw,
+                  "10 back-to-back broadcasts per repetition")]
+    torch_rows = {(j["workload"], j["mode"]): j for j in data.get("torch", [])}
+    for j in data["ours"]:
+        default = (j["buffer"], j["nbuf"]) == (GiB, 2)
+        if j["workload"] == "qwen3-8b" and not default:
+            continue  # in the sweep table
+        label = f"{j['mode']} send {j['workload']} -> {target}"
+        bcast = statistics.median(j["broadcast"])
+        note = (f"{j['tensors']} tensors, {j['chunks']} "
+                f"{'chunks' if j['mode'] == 'packed' else 'broadcasts'}; "
+                f"broadcasts alone {j['bytes'] / bcast / 1e9:.1f} GB/s")
+        if j["workload"] == "many-small":
+            note += (f"; {statistics.median(j['transfer']) / j['tensors'] * 1e6:.2f} us per "
+                     f"tensor, prepare {statistics.median(j['prepare']) / j['tensors'] * 1e6:.2f}"
+                     " us per tensor")
+        if j is data["ours"][0]:
+            bound = j["nbuf"] * j["buffer"] + j["largest"]
+            note += (f"; sender peak extra {j['peak'] / GiB:.2f} GiB "
+                     f"(bound {bound / GiB:.2f} GiB)")
+        lines.append(_row(label, j["bytes"], j["transfer"], raw, note + "; ratio to raw"))
+        t = torch_rows.get((j["workload"], j["mode"]))
+        if t:
+            ours = j["bytes"] / statistics.median(j["transfer"]) / 1e9
+            theirs = t["bytes"] / statistics.median(t["transfer"]) / 1e9
+            lines.append(_row(f"  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
+                              f"ratio to raw; ours / torch = {ours / theirs:.2f}"))
+    init = data["init"]
+    lines += ["", "| init + warm-up, 2 ranks, no HTTP | median ms | best ms | ratio |",
+              "| --- | --- | --- | --- |"]
+    for label, times in init.items():
+        ratio = (f"{statistics.median(times) / statistics.median(init['vllm']):.2f}"
+                 if "vllm" in init else "")
+        name = ("uniqueid.handshake" if label == "ours"
+                else "vLLM PyNcclCommunicator.from_unique_id_bytes")
+        lines.append(f"| {name} | {statistics.median(times) * 1e3:.1f} | "
+                     f"{min(times) * 1e3:.1f} | {ratio} |")
+    sweep = [j for j in data["ours"] if j["workload"] == "qwen3-8b" and j["mode"] == "packed"]
+    if len(sweep) > 1:
+        lines += ["", "| buffer | buffers | median GB/s | best GB/s | x raw | sender extra GiB |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for j in sorted(sweep, key=lambda j: (j["buffer"], j["nbuf"])):
+            med = j["bytes"] / statistics.median(j["transfer"]) / 1e9
+            best = j["bytes"] / min(j["transfer"]) / 1e9
+            lines.append(f"| {j['buffer'] // MiB} MiB | {j['nbuf']} | {med:.1f} | {best:.1f} | "
+                         f"{med / raw:.2f} | {j['held'] / GiB:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    raw = GiB / statistics.median(data["raw"]) / 1e9
+    sweep = [j for j in data["ours"] if j["workload"] == "qwen3-8b" and j["mode"] == "packed"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for n in sorted({j["nbuf"] for j in sweep}):
+        pts = sorted((j["buffer"] / MiB, j["bytes"] / statistics.median(j["transfer"]) / 1e9)
+                     for j in sweep if j["nbuf"] == n)
+        ax.plot(*zip(*pts), marker="o", label=f"packed, {n} buffer{'s' * (n > 1)}")
+    for j in data["ours"]:
+        if j["workload"] == "qwen3-8b" and j["mode"] == "unpacked":
+            ax.axhline(j["bytes"] / statistics.median(j["transfer"]) / 1e9, color="gray",
+                       ls="--", label="unpacked")
+    ax.axhline(raw, color="black", ls=":", label="raw 1 GiB broadcast")
+    ax.set(xscale="log", xlabel="packed buffer size (MiB)", ylabel="GB/s (median)",
+           title=f"qwen3-8b send -> {data['target']}, 2 x H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--vllm", action="store_true")
-    ap.add_argument("--modes", default="packed,unpacked")
+    ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
     args = ap.parse_args()
-    from jax_sender.harness import ReferenceServer
-
-    rows = []
-    t = raw(2, max(args.reps, 5))
-    raw_gbps = GiB / statistics.median(t) / 1e9
-    rows.append(("raw ncclBroadcast 1 GiB, 2 ranks", GiB, t, None))
-    targets = [("reference receiver", lambda: ReferenceServer(["1"]))]
-    if args.vllm:
-        targets.append(("vLLM 0.33.0 consumer", lambda: VLLMServer("1")))
-    for label, make in targets:
-        for mode in args.modes.split(","):
-            with make() as url:
-                r = send(url, mode, args.reps)
-            rows.append((f"{mode} send qwen3-8b -> {label}", r["bytes"], r["transfer"], r))
-    lines = ["| figure | median s | best s | median GB/s | x raw | notes |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for name, nbytes, times, r in rows:
-        med, best = statistics.median(times), min(times)
-        gbps = nbytes / med / 1e9
-        note = "" if r is None else (f"{r['chunks']} chunks/broadcasts; send() total median "
-                                     f"{statistics.median(r['total']):.3f}s; sender peak extra "
-                                     f"{r['extra_peak'] / GiB:.2f} GiB")
-        lines.append(f"| {name} | {med:.4f} | {best:.4f} | {gbps:.1f} | "
-                     f"{gbps / raw_gbps:.2f} | {note} |")
-    table = "\n".join(lines)
+    OUT.mkdir(exist_ok=True)
+    if args.plot:
+        data = json.loads(pathlib.Path(args.plot).read_text())
+    else:
+        data = run(args.reps, args.quick)
+        (OUT / "bench.json").write_text(json.dumps(data, indent=1))
+    table = report(data)
+    (OUT / "bench.md").write_text(table + "\n")
     print(table)
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
-    (out / "bench.md").write_text(table + "\n")
+    print("plot:", OUT / "bench.png" if plot(data, OUT / "bench.png")
+          else "matplotlib not installed; redraw with --plot results/bench.json")
 
 
 if __name__ == "__main__":

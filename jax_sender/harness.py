@@ -8,6 +8,7 @@ holding a GPU.
 from __future__ import annotations
 
 import os
+import pathlib
 import select
 import signal
 import subprocess
@@ -20,9 +21,10 @@ class ReferenceServer:
     """``with ReferenceServer(gpus=["1"]) as url: ...``"""
 
     def __init__(self, gpus: Sequence[str | int] = (), *, fail_load_after: int = -1,
-                 start_timeout: float = 300.0):
+                 load_delay: float = 0.0, start_timeout: float = 300.0):
         self.gpus = [str(g) for g in gpus]
         self.fail_load_after = fail_load_after
+        self.load_delay = load_delay
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -32,7 +34,8 @@ class ReferenceServer:
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
-             "--fail-load-after", str(self.fail_load_after)],
+             "--fail-load-after", str(self.fail_load_after), "--load-delay",
+             str(self.load_delay)],
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None
@@ -47,6 +50,18 @@ class ReferenceServer:
                     return self.url
         self.stop()
         raise TimeoutError(f"reference server not ready within {self.start_timeout}s")
+
+    def kill_workers(self) -> None:
+        """Fault injection: SIGKILL only the worker processes; the server stays up."""
+        if self.proc is None:
+            return
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:  # the parent is the server
+                os.kill(int(stat.parent.name), signal.SIGKILL)
 
     def kill_worker_group(self) -> None:
         """Fault injection: kill the server and its workers at once (SIGKILL)."""

@@ -14,6 +14,7 @@ needed), and stays referenced until the work that reads it has finished.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class Broadcaster:
         self._free_events: list[cuda.Event] = []
         self._inflight: deque[_InFlight] = deque()
         self._head = 0
+        self.started = 0.0  # perf_counter() at this pass's first broadcast launch
 
     def close(self) -> None:
         self._inflight.clear()
@@ -110,6 +112,7 @@ class Broadcaster:
 
     def _launch(self, ptr: int, count: int, dtype: str, root: int, region, keep,
                 timeout: float | None, check: Check) -> None:
+        self.started = self.started or time.perf_counter()
         self.comm.broadcast(ptr, count=count, dtype=dtype, root=root,
                             stream=self.nccl_stream, timeout=timeout)
         self._inflight.append(_InFlight(self._event(self.nccl_stream), region, keep))
@@ -120,6 +123,7 @@ class Broadcaster:
                get: Callable[[int], jax.Array], root: int, *,
                timeout: float | None, check: Check) -> None:
         """Broadcast ``chunks`` of the tensors ``get(i)`` as vLLM's packed consumer expects."""
+        self.started = 0.0
         multi = [c for c in chunks if not c.single]
         if multi:
             largest = max(metas[i].nbytes for c in multi for i in range(c.start, c.stop))
@@ -144,17 +148,19 @@ class Broadcaster:
                 sources.append(arr)
             copied = self._event(self.copy_stream)
             self.nccl_stream.wait_event(copied)
+            # Enqueue the broadcast first, so NCCL's stream never waits on the host.
+            self._launch(self.arena.ptr + start, c.nbytes, "uint8", root,
+                         (start, start + c.nbytes), [], timeout, check)
             # The sources may be transform temporaries: free them once copied.
             self.comm.wait_event(copied, timeout, "packing copy", check)
             self._free_events.append(copied)
             del sources
-            self._launch(self.arena.ptr + start, c.nbytes, "uint8", root,
-                         (start, start + c.nbytes), [], timeout, check)
         self.drain(timeout, check)
 
     def unpacked(self, metas: Sequence[TensorMeta], get: Callable[[int], jax.Array],
                  root: int, *, timeout: float | None, check: Check) -> None:
         """One broadcast per tensor, straight from its JAX buffer, in its own dtype."""
+        self.started = 0.0
         window = max(self.num_buffers, 8)
         for i, m in enumerate(metas):
             while len(self._inflight) >= window:

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class SendStats:
     start_s: float
     transfer_s: float
     finish_s: float
+    broadcast_s: float = 0.0  # first broadcast launched -> last one done (host clock)
 
     @property
     def total_s(self) -> float:
@@ -68,7 +70,8 @@ class SendStats:
         return (f"{self.bytes / 1e9:.3f} GB, {self.tensors} tensors, {self.chunks} "
                 f"{'chunks' if self.packed else 'broadcasts'}: prepare {self.prepare_s:.3f}s, "
                 f"start {self.start_s:.3f}s, transfer {self.transfer_s:.3f}s "
-                f"({self.transfer_gbps:.1f} GB/s), finish {self.finish_s:.3f}s")
+                f"({self.transfer_gbps:.1f} GB/s; broadcasts {self.broadcast_s:.3f}s), "
+                f"finish {self.finish_s:.3f}s")
 
 
 def _jax_device(ordinal: int) -> jax.Device:
@@ -182,7 +185,7 @@ class WeightSender:
             for c in self.clients:
                 c.start_weight_update()
             t2 = time.perf_counter()
-            self._transfer(metas, sources, chunks, update, timeout)
+            broadcast_s = self._transfer(metas, sources, chunks, update, timeout)
             t3 = time.perf_counter()
             for c in self.clients:
                 c.finish_weight_update(weight_version)
@@ -193,12 +196,14 @@ class WeightSender:
                     c.resume()
         self._sent = metas
         stats = SendStats(nbytes, len(metas), len(chunks) if info.packed else len(metas),
-                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3, broadcast_s)
         log.info("sent %s", stats)
         return stats
 
     def _transfer(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]], chunks,
-                  update: UpdateInfo, timeout: float) -> None:
+                  update: UpdateInfo, timeout: float) -> float:
+        """Broadcast while the workers receive in ``/update_weights``; returns
+        the broadcasts' own span, to tell NCCL time from HTTP and receiver time."""
         payload = update.to_payload()
         futures: list[Future] = [
             in_background(c.update_weights, payload, timeout * max(len(chunks), 1) + 60)
@@ -229,11 +234,21 @@ class WeightSender:
                 b.packed(metas, chunks, get, 0, timeout=timeout, check=workers_failed)
             else:
                 b.unpacked(metas, get, 0, timeout=timeout, check=workers_failed)
+            broadcast_s = time.perf_counter() - b.started
             deadline = time.monotonic() + timeout
-            for f in futures:
-                f.result(timeout=max(deadline - time.monotonic(), 0.0))
+            for client, f in zip(self.clients, futures):
+                try:
+                    f.result(timeout=max(deadline - time.monotonic(), 0.0))
+                except FutureTimeout:
+                    raise TimeoutError(
+                        f"{client.base_url}/update_weights did not answer within {timeout}s "
+                        "of the last broadcast: a worker is stuck (in load_weights, or in "
+                        "NCCL waiting for data that was never sent)") from None
+            return broadcast_s
         except BaseException as e:
             self._fail(e)
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C or exit: the group is aborted, the interrupt goes on
             raise SendError(f"weight push failed: {e}. The communicator was aborted; "
                             "call reconnect() before the next send") from e
 

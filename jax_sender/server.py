@@ -82,7 +82,8 @@ class Workers:
                 p.kill()
 
 
-def start_workers(gpus: list[str], fail_load_after: int) -> Workers:
+def start_workers(gpus: list[str], fault_args: list[str]) -> Workers:
+    """One worker process per GPU; ``fault_args`` go to each (see ``worker.py``)."""
     authkey = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     w = Workers()
@@ -91,7 +92,7 @@ def start_workers(gpus: list[str], fail_load_after: int) -> Workers:
                    NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
         w.procs.append(subprocess.Popen(
             [sys.executable, "-m", "jax_sender.worker", "--port", str(listener.address[1]),
-             "--worker-rank", str(rank), "--fail-load-after", str(fail_load_after)], env=env))
+             "--worker-rank", str(rank), *fault_args], env=env))
     for _ in gpus:
         conn = listener.accept()
         if not conn.poll(300):
@@ -242,10 +243,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", default="", help="comma-separated physical GPU ids, one worker each")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--fail-load-after", type=int, default=-1)
+    ap.add_argument("--fail-load-after", default="-1", help="fault injection, see worker.py")
+    ap.add_argument("--load-delay", default="0", help="fault injection, see worker.py")
     args = ap.parse_args()
     gpus = [g for g in args.gpus.split(",") if g]
-    workers = start_workers(gpus, args.fail_load_after)
+    workers = start_workers(gpus, ["--fail-load-after", args.fail_load_after,
+                                   "--load-delay", args.load_delay])
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers)))
     server.daemon_threads = True
     print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)

@@ -8,8 +8,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client
+
+
+def _faulty(load: Callable, fail_after: int, delay: float) -> Callable:
+    """``load`` that sleeps ``delay`` s per call and raises once, mid-stream,
+    when more than ``fail_after`` tensors would have been loaded (-1: never)."""
+    loaded = 0
+    failed = False
+
+    def faulty(pairs):
+        nonlocal loaded, failed
+        pairs = list(pairs)
+        time.sleep(delay)
+        if not failed and 0 <= fail_after < loaded + len(pairs):
+            failed = True
+            raise RuntimeError("injected load_weights failure")
+        loaded += len(pairs)
+        load(pairs)
+
+    return faulty
 
 
 def main() -> None:
@@ -17,7 +38,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--worker-rank", type=int, required=True)
     ap.add_argument("--fail-load-after", type=int, default=-1,
-                    help="fault injection: load_weights raises after this many tensors")
+                    help="fault injection: load_weights raises once, past this many tensors")
+    ap.add_argument("--load-delay", type=float, default=0.0,
+                    help="fault injection: load_weights sleeps this long per call")
     args = ap.parse_args()
     conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["JVN_AUTHKEY"]))
 
@@ -26,19 +49,8 @@ def main() -> None:
     from .receiver import ReferenceWorker
 
     worker = ReferenceWorker(0, worker_rank=args.worker_rank)
-    if args.fail_load_after >= 0:
-        loaded = 0
-        store = worker.load_weights
-
-        def failing(pairs):
-            nonlocal loaded
-            pairs = list(pairs)
-            if loaded + len(pairs) > args.fail_load_after:
-                raise RuntimeError("injected load_weights failure")
-            loaded += len(pairs)
-            store(pairs)
-
-        worker.load_weights = failing
+    if args.fail_load_after >= 0 or args.load_delay:
+        worker.load_weights = _faulty(worker.load_weights, args.fail_load_after, args.load_delay)
     methods = {
         "init": lambda p: worker.init(InitInfo.from_payload(p)),
         "receive": lambda p: worker.receive(UpdateInfo.from_payload(p)),

@@ -194,5 +194,146 @@ def too_large(url: str) -> None:
     print(f"OK timed out in {took:.2f}s: {msg[:300]}")
 
 
+def _expect_send_error(sender, pairs, limit: float) -> tuple[float, str]:
+    """``send`` must raise ``SendError`` within ``limit`` s and leave the group aborted."""
+    from jax_sender import SendError
+    t = time.monotonic()
+    try:
+        sender.send(pairs)
+    except SendError as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("the send did not fail")
+    assert took < limit, (took, msg)
+    assert sender.broken and sender.connection.comm._handle is None, sender.broken
+    return took, msg
+
+
+def killed(mode: str, what: str, receivers: str = "1") -> None:
+    """The receivers (the workers, or the whole server) are SIGKILLed mid-transfer."""
+    from jax_sender import WeightSender
+    from jax_sender.harness import ReferenceServer
+    server = ReferenceServer([str(g + 1) for g in range(int(receivers))], load_delay=1.0)
+    url = server.start()
+    try:
+        sender = WeightSender.connect(url, packed=mode == "packed",
+                                      packed_buffer_size_bytes=1 << 20)
+        sender.timeout = 30.0
+        kill = server.kill_workers if what == "workers" else server.kill_worker_group
+        threading.Timer(2.5, kill).start()  # the receiver sleeps in its 3rd load
+        took, msg = _expect_send_error(sender, _test_tensors(0), 2.5 + 10)
+        sender.close()
+    finally:
+        server.stop()
+    assert not [t for t in threading.enumerate() if not t.daemon and t is not
+                threading.main_thread()], threading.enumerate()
+    print(f"OK {mode} -> {receivers}: {what} killed at 2.5s, SendError after {took:.2f}s: {msg[:300]}")
+
+
+def stalled(mode: str) -> None:
+    """The receiver stops taking part but its HTTP call stays open: only the
+    per-wait deadline can end the send."""
+    from jax_sender import WeightSender
+    from jax_sender.harness import ReferenceServer
+    with ReferenceServer(["1"], load_delay=600.0) as url:
+        sender = WeightSender.connect(url, packed=mode == "packed",
+                                      packed_buffer_size_bytes=1 << 20)
+        sender.timeout = 5.0
+        took, msg = _expect_send_error(sender, _test_tensors(0), 5 + 3)
+        assert "within 5.0s" in msg, msg
+        assert took >= 5.0, took
+        sender.close()
+    print(f"OK {mode}: stalled receiver, SendError after {took:.2f}s (deadline 5s): {msg[:300]}")
+
+
+def load_fails(mode: str) -> None:
+    """load_weights raises mid-stream: the send fails, reconnect(), the next push is exact."""
+    from jax_sender import WeightSender
+    from jax_sender.harness import ReferenceServer
+    with ReferenceServer(["1"], fail_load_after=3) as url:
+        sender = WeightSender.connect(url, packed=mode == "packed",
+                                      packed_buffer_size_bytes=1 << 20)
+        pairs = _test_tensors(1)
+        took, msg = _expect_send_error(sender, pairs, 20)
+        assert "injected load_weights failure" in msg, msg
+        t = time.monotonic()
+        sender.reconnect()
+        recovered = time.monotonic() - t
+        stats = sender.send(pairs, weight_version="after")
+        assert not stats.reused_metadata
+        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        assert ans["match"], ans["mismatches"][:5]
+        assert sender.clients[0].weight_info()["weight_version"] == "after"
+        sender.close()
+    print(f"OK {mode}: failed after {took:.2f}s ({msg[:160]}); reconnect {recovered:.2f}s; "
+          f"next push bit-exact")
+
+
+def interrupted(mode: str) -> None:
+    """Ctrl-C (SIGINT) while the sender waits on a stalled receiver."""
+    import signal
+
+    from jax_sender import WeightSender
+    from jax_sender.harness import ReferenceServer
+    with ReferenceServer(["1"], load_delay=600.0) as url:
+        sender = WeightSender.connect(url, packed=mode == "packed",
+                                      packed_buffer_size_bytes=1 << 20)
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        try:
+            sender.send(_test_tensors(0))
+        except KeyboardInterrupt:
+            took = time.monotonic() - t
+        else:
+            raise AssertionError("send returned through a Ctrl-C")
+        assert took < 2.0 + 1.0, took
+        assert "KeyboardInterrupt" in sender.broken, sender.broken
+        assert sender.connection.comm._handle is None
+        sender.close()
+    left = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    assert not left, left
+    print(f"OK {mode}: Ctrl-C at 2.0s, KeyboardInterrupt out of send() after {took:.2f}s, "
+          "communicator aborted, no non-daemon thread left")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def many_sends(url: str, mode: str, count: str) -> None:
+    """``count`` sends of a ~100 MB model, each checked bit-exact; memory stays flat."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sender import WeightSender
+    sender = WeightSender.connect(url, packed=mode == "packed",
+                                  packed_buffer_size_bytes=16 << 20)
+    keys = jax.random.split(jax.random.PRNGKey(0), 24)
+    base_pairs = [(f"layer{i}.w", jax.random.normal(k, (1024, 2048), jnp.bfloat16))
+                  for i, k in enumerate(keys)]
+    bump = jax.jit(lambda a, i: a + i.astype(a.dtype))
+    dev = jax.devices()[0]
+    client = sender.clients[0]
+    mem, rss = [], []
+    for i in range(int(count)):
+        pairs = [(n, bump(a, jnp.int32(i))) for n, a in base_pairs]
+        sender.send(pairs, weight_version=f"v{i}")
+        ans = client.weight_checker("compare", baseline=_checksums(pairs, 1))
+        assert ans["match"], (i, ans["mismatches"][:5])
+        del pairs
+        mem.append(dev.memory_stats()["bytes_in_use"])
+        rss.append(_rss())
+    nbytes = sum(a.nbytes for _, a in base_pairs)
+    settled = 10  # after caches and pools have warmed up
+    assert mem[-1] - mem[settled] <= 1 << 20, (mem[settled], mem[-1])
+    assert rss[-1] - rss[settled] <= 64 << 20, (rss[settled], rss[-1])
+    sender.close()
+    print(f"OK {mode}: {count} sends of {nbytes / 1e6:.0f} MB, all bit-exact; device bytes in "
+          f"use after send {settled + 1}: {mem[settled]}, after the last: {mem[-1]}; host RSS "
+          f"after send {settled + 1}: {rss[settled] / 2**20:.1f} MiB, after the last: "
+          f"{rss[-1] / 2**20:.1f} MiB")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])

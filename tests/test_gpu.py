@@ -67,11 +67,6 @@ def test_send_to_reference_receiver(mode):
         run("send", url, mode, "1", "3", timeout=300)
 
 
-def test_sender_memory_flat_over_100_sends():
-    with ReferenceServer(["1"]) as url:
-        print(run("send", url, "packed", "1", "100", timeout=500))
-
-
 @pytest.mark.gpu4
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
 def test_send_to_three_receivers(mode):
@@ -82,6 +77,39 @@ def test_send_to_three_receivers(mode):
 def test_world_size_too_large_times_out():
     with ReferenceServer(["1"]) as url:
         print(run("too_large", url, timeout=120))
+
+
+# -- fault injection (reference receiver, real processes) -----------------------
+
+@pytest.mark.parametrize("what", ["workers", "server"])
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_receiver_killed_mid_transfer(mode, what):
+    print(run("killed", mode, what, timeout=180))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_three_receivers_killed_mid_transfer(mode):
+    print(run("killed", mode, "workers", "3", timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_stalled_receiver_hits_the_deadline(mode):
+    print(run("stalled", mode, timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_load_weights_failure_then_reconnect_is_exact(mode):
+    print(run("load_fails", mode, timeout=180))
+
+
+def test_ctrl_c_during_send_aborts():
+    print(run("interrupted", "packed", timeout=180))
+
+
+def test_200_sends_exact_and_memory_flat():
+    with ReferenceServer(["1"]) as url:
+        print(run("many_sends", url, "packed", "200", timeout=580))
 
 
 def test_demo_runs():
