@@ -233,7 +233,7 @@ def role_torch(url: str, jobs: str) -> None:
             port = s.getsockname()[1]
         client = TimedClient()
         engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2,
+            NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=port, world_size=2,
                                 packed=job["mode"] == "packed",
                                 packed_buffer_size_bytes=job["buffer"],
                                 packed_num_buffers=job["nbuf"]),
@@ -342,11 +342,14 @@ def _vllm_available() -> bool:
 
 
 def run(reps: int, quick: bool) -> dict:
+    """Every stage's figures are saved as soon as they exist."""
     from jax_sender.harness import ReferenceServer
     data: dict = {"reps": reps}
+    save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
     data["raw"] = _pair("role_raw", _uid(), str(reps))[0][0]
     vllm = _vllm_available()
     data["init"] = _init_latency(reps, vllm)
+    save()
     main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
     sweep = [] if quick else [
         _job("qwen3-8b", "packed", reps, b * MiB, n)
@@ -355,8 +358,13 @@ def run(reps: int, quick: bool) -> dict:
     with (VLLMServer("1") if vllm else ReferenceServer(["1"])) as url:
         data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
         data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
+        save()
         if vllm:
-            data["torch"] = _one("role_torch", url, json.dumps(main + extra))
+            try:
+                data["torch"] = _one("role_torch", url, json.dumps(main + extra))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                data["torch_error"] = str(e)[-3000:]  # the table still prints our rows
+            save()
     return data
 
 
@@ -463,7 +471,6 @@ def main() -> None:
         data = json.loads(pathlib.Path(args.plot).read_text())
     else:
         data = run(args.reps, args.quick)
-        (OUT / "bench.json").write_text(json.dumps(data, indent=1))
     table = report(data)
     (OUT / "bench.md").write_text(table + "\n")
     print(table)

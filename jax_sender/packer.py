@@ -102,13 +102,16 @@ class Broadcaster:
             self._retire_oldest(timeout, check)
         self._head = 0
 
-    def _reserve(self, nbytes: int, timeout: float | None, check: Check) -> int:
+    def _place(self, nbytes: int) -> int:
+        """Where the next chunk goes: after the previous one, or back at 0."""
         start = self._head if self._head + nbytes <= self.arena.capacity else 0
-        end = start + nbytes
-        while any(f.region and f.region[0] < end and start < f.region[1] for f in self._inflight):
-            self._retire_oldest(timeout, check)
-        self._head = end
+        self._head = start + nbytes
         return start
+
+    def _free(self, lo: int, hi: int, timeout: float | None, check: Check) -> None:
+        """Retire broadcasts (oldest first, as NCCL finishes them) until none reads [lo, hi)."""
+        while any(f.region and f.region[0] < hi and lo < f.region[1] for f in self._inflight):
+            self._retire_oldest(timeout, check)
 
     def _launch(self, ptr: int, count: int, dtype: str, root: int, region, keep,
                 timeout: float | None, check: Check) -> None:
@@ -138,13 +141,16 @@ class Broadcaster:
                 self._launch(buffer_pointer(arr), c.nbytes, "uint8", root, None, [arr],
                              timeout, check)
                 continue
-            start = self._reserve(c.nbytes, timeout, check)
+            start = self._place(c.nbytes)
             sources = []
             for i, off in zip(range(c.start, c.stop), c.offsets):
                 arr = get(i)
-                if metas[i].nbytes:
-                    cuda.copy_async(self.arena.ptr + start + off, buffer_pointer(arr),
-                                    metas[i].nbytes, self.copy_stream)
+                if n := metas[i].nbytes:
+                    # Per tensor, not per chunk: only the tensors that land on
+                    # bytes a pending broadcast still reads wait for it.
+                    self._free(start + off, start + off + n, timeout, check)
+                    cuda.copy_async(self.arena.ptr + start + off, buffer_pointer(arr), n,
+                                    self.copy_stream)
                 sources.append(arr)
             copied = self._event(self.copy_stream)
             self.nccl_stream.wait_event(copied)

@@ -219,9 +219,10 @@ def killed(mode: str, what: str, receivers: str = "1") -> None:
         sender = WeightSender.connect(url, packed=mode == "packed",
                                       packed_buffer_size_bytes=1 << 20)
         sender.timeout = 30.0
+        pairs = _test_tensors(0)
         kill = server.kill_workers if what == "workers" else server.kill_worker_group
         threading.Timer(2.5, kill).start()  # the receiver sleeps in its 3rd load
-        took, msg = _expect_send_error(sender, _test_tensors(0), 2.5 + 10)
+        took, msg = _expect_send_error(sender, pairs, 2.5 + 10)
         sender.close()
     finally:
         server.stop()
@@ -278,10 +279,11 @@ def interrupted(mode: str) -> None:
     with ReferenceServer(["1"], load_delay=600.0) as url:
         sender = WeightSender.connect(url, packed=mode == "packed",
                                       packed_buffer_size_bytes=1 << 20)
+        pairs = _test_tensors(0)
         threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         t = time.monotonic()
         try:
-            sender.send(_test_tensors(0))
+            sender.send(pairs)
         except KeyboardInterrupt:
             took = time.monotonic() - t
         else:
