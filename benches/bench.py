@@ -117,7 +117,7 @@ def role_init_ours(rank: str, uids: str, start: str) -> None:
     from uniqueid import UniqueId, handshake
     times = []
     for i, uid in enumerate(json.loads(uids)):
-        _at(float(start) + 2.0 * i)
+        _at(float(start) + 1.0 * i)
         t = time.perf_counter()
         comm = handshake(2, UniqueId.from_b64(uid), int(rank), 0, timeout=60)
         times.append(time.perf_counter() - t)
@@ -132,7 +132,7 @@ def role_init_vllm(rank: str, uids: str, start: str) -> None:
     torch.cuda.set_device(0)
     times = []
     for i, uid in enumerate(json.loads(uids)):
-        _at(float(start) + 2.0 * i)
+        _at(float(start) + 1.0 * i)
         t = time.perf_counter()
         comm = PyNcclCommunicator.from_unique_id_bytes(base64.b64decode(uid), int(rank), 2, 0)
         times.append(time.perf_counter() - t)
@@ -167,7 +167,8 @@ def role_jax(url: str, jobs: str) -> None:
         s = stats[0]
         _emit(dict(job, transfer=[x.transfer_s for x in stats],
                    broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
-                   prepare=[x.prepare_s for x in stats], bytes=s.bytes, tensors=s.tensors,
+                   prepare=[x.prepare_s for x in stats], host=[x.host_s for x in stats],
+                   bytes=s.bytes, tensors=s.tensors,
                    chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
                    held=dev.memory_stats()["bytes_in_use"] - base,
                    # the process-wide peak: meaningful for the first job only
@@ -287,13 +288,15 @@ def _uid() -> str:
 
 def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
     """Both ranks start each round at the same wall-clock instant; a round
-    takes as long as its slower rank. Round 0 (library load, CUDA context) is dropped."""
+    takes as long as its slower rank. Round 0 (library load, CUDA context) is
+    dropped. Rounds are short, so there are twice ``reps`` of them."""
+    reps *= 2
     out = {}
     roles = [("ours", "role_init_ours")] + ([("vllm", "role_init_vllm")] if vllm else [])
     for label, role in roles:
         start = str(time.time() + (25 if label == "vllm" else 10))  # imports first
         uids = json.dumps([_uid() for _ in range(reps + 1)])
-        ranks = _pair(role, uids, start, timeout=120 + 2 * reps)
+        ranks = _pair(role, uids, start, timeout=120 + reps)
         out[label] = [max(a, b) for a, b in zip(ranks[0][0], ranks[1][0])][1:]
     return out
 
@@ -397,9 +400,9 @@ def report(data: dict) -> str:
                 f"{'chunks' if j['mode'] == 'packed' else 'broadcasts'}; "
                 f"broadcasts alone {j['bytes'] / bcast / 1e9:.1f} GB/s")
         if j["workload"] == "many-small":
-            note += (f"; {statistics.median(j['transfer']) / j['tensors'] * 1e6:.2f} us per "
-                     f"tensor, prepare {statistics.median(j['prepare']) / j['tensors'] * 1e6:.2f}"
-                     " us per tensor")
+            per = lambda k: statistics.median(j[k]) / j["tensors"] * 1e6  # noqa: E731
+            note += (f"; per tensor: {per('transfer'):.1f} us in all, of which the sender's "
+                     f"host {per('host'):.1f} us; prepare {per('prepare'):.1f} us")
         if j is data["ours"][0]:
             bound = j["nbuf"] * j["buffer"] + j["largest"]
             note += (f"; sender peak extra {j['peak'] / GiB:.2f} GiB "

@@ -35,6 +35,25 @@ def buffer_pointer(array: jax.Array) -> int:
     return int(array.unsafe_buffer_pointer())
 
 
+def overlap(lo: int, hi: int, regions: Sequence[tuple[int, int]]) -> int:
+    """Bytes of [lo, hi) inside ``regions``."""
+    return sum(max(0, min(hi, b) - max(lo, a)) for a, b in regions)
+
+
+def place(capacity: int, head: int, nbytes: int, busy: Sequence[tuple[int, int]]) -> int:
+    """Where a chunk of ``nbytes`` goes in the ring: right after the previous
+    chunk (``head``) if it fits, else at whichever end of the ring overlaps
+    the ``busy`` regions (chunks still being broadcast) least.
+
+    Chunks differ in size (each overshoots the buffer by part of its last
+    tensor), so always wrapping to 0 can land a chunk on the whole of the one
+    being broadcast and serialise the pipeline; the far end usually overlaps
+    it by a few tensors at most, and only those wait.
+    """
+    options = ([head] if head + nbytes <= capacity else []) + [0, capacity - nbytes]
+    return min(options, key=lambda s: overlap(s, s + nbytes, busy))
+
+
 class Arena:
     """Persistent device bytes, allocated through XLA so they count in its pool."""
 
@@ -78,6 +97,7 @@ class Broadcaster:
         self._inflight: deque[_InFlight] = deque()
         self._head = 0
         self.started = 0.0  # perf_counter() at this pass's first broadcast launch
+        self.host_s = 0.0  # this pass's time in getting and packing tensors (host side)
 
     def close(self) -> None:
         self._inflight.clear()
@@ -102,15 +122,12 @@ class Broadcaster:
             self._retire_oldest(timeout, check)
         self._head = 0
 
-    def _place(self, nbytes: int) -> int:
-        """Where the next chunk goes: after the previous one, or back at 0."""
-        start = self._head if self._head + nbytes <= self.arena.capacity else 0
-        self._head = start + nbytes
-        return start
+    def _busy(self) -> list[tuple[int, int]]:
+        return [f.region for f in self._inflight if f.region]
 
     def _free(self, lo: int, hi: int, timeout: float | None, check: Check) -> None:
         """Retire broadcasts (oldest first, as NCCL finishes them) until none reads [lo, hi)."""
-        while any(f.region and f.region[0] < hi and lo < f.region[1] for f in self._inflight):
+        while overlap(lo, hi, self._busy()):
             self._retire_oldest(timeout, check)
 
     def _launch(self, ptr: int, count: int, dtype: str, root: int, region, keep,
@@ -126,7 +143,7 @@ class Broadcaster:
                get: Callable[[int], jax.Array], root: int, *,
                timeout: float | None, check: Check) -> None:
         """Broadcast ``chunks`` of the tensors ``get(i)`` as vLLM's packed consumer expects."""
-        self.started = 0.0
+        self.started, self.host_s = 0.0, 0.0
         multi = [c for c in chunks if not c.single]
         if multi:
             largest = max(metas[i].nbytes for c in multi for i in range(c.start, c.stop))
@@ -137,21 +154,31 @@ class Broadcaster:
             while len(self._inflight) >= self.num_buffers:
                 self._retire_oldest(timeout, check)
             if c.single:
+                t = time.perf_counter()
                 arr = get(c.start)
+                self.host_s += time.perf_counter() - t
                 self._launch(buffer_pointer(arr), c.nbytes, "uint8", root, None, [arr],
                              timeout, check)
                 continue
-            start = self._place(c.nbytes)
-            sources = []
+            start = place(self.arena.capacity, self._head, c.nbytes, self._busy())
+            self._head = start + c.nbytes
+            # Tensors that land on free bytes are copied at once; those on bytes a
+            # pending broadcast still reads wait for it, after the others.
+            t = time.perf_counter()
+            sources, later = [], []
             for i, off in zip(range(c.start, c.stop), c.offsets):
                 arr = get(i)
-                if n := metas[i].nbytes:
-                    # Per tensor, not per chunk: only the tensors that land on
-                    # bytes a pending broadcast still reads wait for it.
-                    self._free(start + off, start + off + n, timeout, check)
-                    cuda.copy_async(self.arena.ptr + start + off, buffer_pointer(arr), n,
-                                    self.copy_stream)
                 sources.append(arr)
+                lo, n = start + off, metas[i].nbytes
+                if overlap(lo, lo + n, self._busy()):
+                    later.append((lo, n, arr))
+                elif n:
+                    cuda.copy_async(self.arena.ptr + lo, buffer_pointer(arr), n,
+                                    self.copy_stream)
+            self.host_s += time.perf_counter() - t
+            for lo, n, arr in later:
+                self._free(lo, lo + n, timeout, check)
+                cuda.copy_async(self.arena.ptr + lo, buffer_pointer(arr), n, self.copy_stream)
             copied = self._event(self.copy_stream)
             self.nccl_stream.wait_event(copied)
             # Enqueue the broadcast first, so NCCL's stream never waits on the host.
@@ -166,12 +193,14 @@ class Broadcaster:
     def unpacked(self, metas: Sequence[TensorMeta], get: Callable[[int], jax.Array],
                  root: int, *, timeout: float | None, check: Check) -> None:
         """One broadcast per tensor, straight from its JAX buffer, in its own dtype."""
-        self.started = 0.0
+        self.started, self.host_s = 0.0, 0.0
         window = max(self.num_buffers, 8)
         for i, m in enumerate(metas):
             while len(self._inflight) >= window:
                 self._retire_oldest(timeout, check)
+            t = time.perf_counter()
             arr = get(i)
+            self.host_s += time.perf_counter() - t
             self._launch(buffer_pointer(arr), m.numel, m.dtype, root, None, [arr],
                          timeout, check)
         self.drain(timeout, check)

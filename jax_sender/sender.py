@@ -57,6 +57,7 @@ class SendStats:
     transfer_s: float
     finish_s: float
     broadcast_s: float = 0.0  # first broadcast launched -> last one done (host clock)
+    host_s: float = 0.0  # host time getting and packing tensors, inside transfer_s
 
     @property
     def total_s(self) -> float:
@@ -190,7 +191,7 @@ class WeightSender:
             for c in self.clients:
                 c.start_weight_update()
             t2 = time.perf_counter()
-            broadcast_s = self._transfer(metas, sources, chunks, update, timeout)
+            broadcast_s, host_s = self._transfer(metas, sources, chunks, update, timeout)
             t3 = time.perf_counter()
             for c in self.clients:
                 c.finish_weight_update(weight_version)
@@ -201,14 +202,16 @@ class WeightSender:
                     c.resume()
         self._sent = metas
         stats = SendStats(nbytes, len(metas), len(chunks) if info.packed else len(metas),
-                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3, broadcast_s)
+                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3, broadcast_s,
+                          host_s)
         log.info("sent %s", stats)
         return stats
 
     def _transfer(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]], chunks,
-                  update: UpdateInfo, timeout: float) -> float:
+                  update: UpdateInfo, timeout: float) -> tuple[float, float]:
         """Broadcast while the workers receive in ``/update_weights``; returns
-        the broadcasts' own span, to tell NCCL time from HTTP and receiver time."""
+        the broadcasts' own span and the host's packing time, to tell them
+        from HTTP and receiver time."""
         payload = update.to_payload()
         futures: list[Future] = [
             in_background(c.update_weights, payload, timeout * max(len(chunks), 1) + 60)
@@ -249,7 +252,7 @@ class WeightSender:
                         f"{client.base_url}/update_weights did not answer within {timeout}s "
                         "of the last broadcast: a worker is stuck (in load_weights, or in "
                         "NCCL waiting for data that was never sent)") from None
-            return broadcast_s
+            return broadcast_s, b.host_s
         except BaseException as e:
             self._fail(e)
             if not isinstance(e, Exception):
