@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nccl_cffi.dtypes import NCCL_TYPES, dtype_name
 
@@ -120,3 +121,43 @@ def check_against(expected: Sequence[TensorMeta], actual: Sequence[TensorMeta]) 
     if len(expected) != len(actual):
         raise MetadataError(f"metadata declares {len(expected)} tensors but {len(actual)} "
                             "arrays were given; the receiver would wait for the rest")
+
+
+class LoadPlan:
+    """The manifest of ``use_load_plan``: every tensor the workers may receive.
+
+    vLLM plans its loading from the metadata sent at init, so every later
+    update must only send tensors declared there, with the declared dtype and
+    shape (a subset is fine). The trainer checks before contacting the
+    workers; the workers check again, for trainers that drive them out of band.
+    """
+
+    def __init__(self, metas: Sequence[TensorMeta]):
+        check_unique(metas)
+        self.metas = list(metas)
+        self._declared = {m.name: (m.dtype, m.shape) for m in metas}
+
+    @classmethod
+    def from_payload(cls, metadata: Sequence[Sequence[Any]]) -> "LoadPlan":
+        """From ``init_info["metadata"]``: ``[[name, dtype_name, shape], ...]``."""
+        try:
+            return cls([TensorMeta(str(n), str(d), tuple(int(x) for x in s))
+                        for n, d, s in metadata])
+        except (TypeError, ValueError) as e:
+            raise MetadataError(f"load-plan metadata must be [name, dtype, shape] "
+                                f"triples: {e}") from e
+
+    def to_payload(self) -> list[list[Any]]:
+        return [[m.name, m.dtype, list(m.shape)] for m in self.metas]
+
+    def check(self, metas: Sequence[TensorMeta]) -> None:
+        """vLLM's ``_check_manifest``, with its message."""
+        for m in metas:
+            declared = self._declared.get(m.name)
+            if declared == (m.dtype, m.shape):
+                continue
+            problem = ("was not declared in the metadata sent at init" if declared is None
+                       else f"was declared at init as ({declared[0]}, {list(declared[1])})")
+            raise MetadataError(f"NCCL weight transfer: {m.name!r} sent as ({m.dtype}, "
+                                f"{list(m.shape)}) {problem}; with use_load_plan, re-init "
+                                "the engine to re-plan")

@@ -21,7 +21,7 @@ from nccl_cffi import Communicator, cuda, numpy_dtype
 from uniqueid import InitInfo, UpdateInfo, handshake
 
 from .packer import buffer_pointer
-from .plan import WIRE_DTYPES, TensorMeta, check_alignment, plan_chunks
+from .plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
 
@@ -44,6 +44,7 @@ class ReferenceWorker:
         self.load_weights = load_weights or self._store
         self.comm: Communicator | None = None
         self.info: InitInfo | None = None
+        self.plan: LoadPlan | None = None  # with use_load_plan: the manifest from init
         self._last: UpdateInfo | None = None
         self._stream: cuda.Stream | None = None
 
@@ -57,9 +58,11 @@ class ReferenceWorker:
         rank = info.rank_offset + self.worker_rank
         if not rank < info.world_size:
             raise ValueError(f"rank {rank} out of range for world_size {info.world_size}")
+        plan = LoadPlan.from_payload(info.metadata) if info.use_load_plan else None
         self.comm = handshake(info.world_size, info.unique_id, rank, self.ordinal,
                               timeout=self.timeout)
         self.info = info
+        self.plan = plan
         self._last = None
         self._stream = cuda.Stream(self.ordinal)
 
@@ -88,6 +91,8 @@ class ReferenceWorker:
             if dt not in WIRE_DTYPES:
                 raise ValueError(f"Unsupported dtype {dt}: should be one of {', '.join(WIRE_DTYPES)}")
             metas.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
+        if self.plan is not None:
+            self.plan.check(metas)  # before any collective, like vLLM's worker
         if self.info.packed:
             self._receive_packed(metas, update.src)
         else:

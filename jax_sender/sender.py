@@ -29,8 +29,8 @@ from uniqueid.wire import UpdateInfo
 
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
-from .plan import (MetadataError, TensorMeta, check_against, check_alignment, check_unique,
-                   plan_chunks)
+from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_alignment,
+                   check_unique, plan_chunks)
 
 log = logging.getLogger("jax_sender")
 
@@ -75,6 +75,28 @@ class SendStats:
                 f"finish {self.finish_s:.3f}s")
 
 
+def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
+    """Metadata of what ``params`` would send, and per tensor (path, source array).
+
+    Shapes and dtypes after the transform come from ``jax.eval_shape``, so
+    nothing runs on the GPU. Raises ``MetadataError`` for anything the
+    workers could not take.
+    """
+    metas, sources = [], []
+    traced = mapping.transform is not identity
+    for name, path, arr in named_arrays(params, mapping):
+        if not isinstance(name, str) or not name:
+            raise MetadataError(f"parameter at {path} has no checkpoint name")
+        # Tracing costs ~0.3 ms per tensor: skipped when there is no transform.
+        out = jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr) if traced else arr
+        metas.append(TensorMeta.of(name, out))
+        sources.append((path, arr))
+    if not metas:
+        raise MetadataError("nothing to send: the parameter tree has no arrays")
+    check_unique(metas)
+    return metas, sources
+
+
 def _jax_device(ordinal: int) -> jax.Device:
     for d in jax.local_devices():
         if d.platform == "gpu" and d.local_hardware_id == ordinal:
@@ -91,9 +113,11 @@ class WeightSender:
     """
 
     def __init__(self, connection: Connection, *, mapping: Mapping = Mapping(),
-                 timeout: float | None = None, reconnect_timeout: float = 300.0):
+                 timeout: float | None = None, reconnect_timeout: float = 300.0,
+                 load_plan: LoadPlan | None = None):
         self.connection = connection
         self.mapping = mapping
+        self.load_plan = load_plan
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.device = _jax_device(connection.device)
@@ -104,14 +128,22 @@ class WeightSender:
     @classmethod
     def connect(cls, servers: str | VLLMClient | Sequence[str | VLLMClient], *,
                 device: int | None = None, mapping: Mapping = Mapping(),
-                **connect_kwargs: Any) -> "WeightSender":
+                load_plan: Any = None, **connect_kwargs: Any) -> "WeightSender":
         """``uniqueid.connect`` (init + warm-up) then a sender on the same device.
 
         ``device``: CUDA ordinal of the trainer's GPU (default: JAX's first GPU).
+        ``load_plan``: params (or pairs) whose metadata is shipped at init with
+        ``use_load_plan`` [newer vLLM; 0.33.0 refuses it]; every later send
+        must then be a subset of it, checked before any HTTP call. Off by default.
         """
         if device is None:
             device = jax.local_devices(backend="gpu")[0].local_hardware_id
-        return cls(connect(servers, device=device, **connect_kwargs), mapping=mapping)
+        plan = None
+        if load_plan is not None:
+            plan = LoadPlan(describe(load_plan, mapping)[0])
+            connect_kwargs.update(use_load_plan=True, metadata=plan.to_payload())
+        return cls(connect(servers, device=device, **connect_kwargs), mapping=mapping,
+                   load_plan=plan)
 
     @property
     def info(self):
@@ -123,25 +155,10 @@ class WeightSender:
 
     # -- preparation (no collective, no HTTP) ----------------------------
     def prepare(self, params: Any) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
-        """Metadata of what ``params`` would send, and per tensor (path, source array).
-
-        Shapes and dtypes after the transform come from ``jax.eval_shape``, so
-        nothing runs on the GPU. Raises ``MetadataError`` for anything the
-        workers could not take.
-        """
-        metas, sources = [], []
-        traced = self.mapping.transform is not identity
-        for name, path, arr in named_arrays(params, self.mapping):
-            if not isinstance(name, str) or not name:
-                raise MetadataError(f"parameter at {path} has no checkpoint name")
-            # Tracing costs ~0.3 ms per tensor: skipped when there is no transform.
-            out = jax.eval_shape(lambda a, p=path: self.mapping.transform(p, a), arr) \
-                if traced else arr
-            metas.append(TensorMeta.of(name, out))
-            sources.append((path, arr))
-        if not metas:
-            raise MetadataError("nothing to send: the parameter tree has no arrays")
-        check_unique(metas)
+        """``describe(params)``, checked against the load plan when there is one."""
+        metas, sources = describe(params, self.mapping)
+        if self.load_plan is not None:
+            self.load_plan.check(metas)
         return metas, sources
 
     def _materialize(self, path: Any, arr: Any) -> jax.Array:
@@ -276,7 +293,8 @@ class WeightSender:
         i = old.init_info
         kwargs = dict(packed=i.packed,
                       packed_buffer_size_bytes=i.packed_buffer_size_bytes,
-                      packed_num_buffers=i.packed_num_buffers, timeout=self.reconnect_timeout)
+                      packed_num_buffers=i.packed_num_buffers, use_load_plan=i.use_load_plan,
+                      metadata=i.metadata, timeout=self.reconnect_timeout)
         kwargs.update(connect_kwargs)
         self.connection = connect(old.clients, device=old.device, **kwargs)
         self._sent = None

@@ -30,6 +30,8 @@ from urllib.parse import parse_qs, urlparse
 
 from uniqueid.wire import InitInfo, UpdateInfo
 
+from .plan import LoadPlan
+
 RPC_TIMEOUT = 3600.0
 
 
@@ -145,7 +147,9 @@ def route(state: State, method: str, path: str, query: dict[str, list[str]],
         if not isinstance(info, dict):
             raise HTTPError(400, "init_info must be an object")
         try:  # vLLM's parse raises inside the worker RPC -> 500
-            InitInfo.from_payload(info)
+            parsed = InitInfo.from_payload(info)
+            if parsed.use_load_plan:
+                LoadPlan.from_payload(parsed.metadata)
         except (ValueError, TypeError) as e:
             raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
         w.call("init", info)

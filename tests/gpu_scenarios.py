@@ -298,6 +298,38 @@ def interrupted(mode: str) -> None:
           "communicator aborted, no non-daemon thread left")
 
 
+def load_plan(url: str) -> None:
+    """use_load_plan: subsets go through bit-exact; anything else is refused by
+    the sender before any HTTP call, and by the worker before any collective."""
+    from jax_sender import MetadataError, WeightSender
+    from uniqueid import UpdateInfo, VLLMHTTPError
+    pairs = _test_tensors(2)
+    sender = WeightSender.connect(url, load_plan=pairs, packed_buffer_size_bytes=1 << 20)
+    assert sender.info.use_load_plan and len(sender.info.metadata) == len(pairs)
+    subset = pairs[:4]
+    sender.send(subset)
+    ans = sender.clients[0].weight_checker("compare", baseline=_checksums(subset, 1))
+    assert ans["match"], ans["mismatches"][:5]
+    try:
+        sender.send(pairs[:1] + [("extra", pairs[1][1])])
+    except MetadataError as e:
+        assert "was not declared" in str(e), e
+    else:
+        raise AssertionError("a tensor outside the plan was sent")
+    assert not sender.broken  # refused up front: the group is intact
+    client = sender.clients[0]
+    client.start_weight_update()
+    try:
+        client.update_weights(UpdateInfo(["extra"], ["float32"], [[2]]).to_payload())
+    except VLLMHTTPError as e:
+        assert e.status == 500 and "was not declared" in e.message, e
+    else:
+        raise AssertionError("the worker accepted a tensor outside the plan")
+    sender.send(subset)  # the worker refused before any collective: still in step
+    sender.close()
+    print("OK load plan: subset bit-exact, outside tensors refused by sender and worker")
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

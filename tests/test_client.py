@@ -212,6 +212,8 @@ def test_reference_server_session_rules(reference):
     ({"rank_offset": 1, "world_size": 2, "bogus": 1}, "unexpected keyword argument 'bogus'"),
     ({"rank_offset": 1, "world_size": 2, "nccl_unique_id_b64": "abc"}, "padding"),
     ({"rank_offset": 1, "world_size": 2}, "need nccl_unique_id_b64"),
+    ({"rank_offset": 1, "world_size": 2, "nccl_unique_id_b64": UniqueId.mint().to_b64(),
+      "use_load_plan": True, "metadata": [["w", "float32"]]}, r"\[name, dtype, shape\] triples"),
 ])
 def test_reference_server_refuses_bad_init_like_vllm(reference, init_info, match):
     with pytest.raises(VLLMHTTPError, match=match) as e:

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_sender import MetadataError, TensorMeta, plan_chunks
+from jax_sender import Mapping, MetadataError, TensorMeta, describe, plan_chunks
 from jax_sender.plan import WIRE_DTYPES, check_against, check_alignment
-from jax_sender.sender import WeightSender
 from uniqueid import InitInfo, UniqueId, UpdateInfo
 
 json_values = st.recursive(
@@ -74,14 +73,11 @@ arrays = st.tuples(dims, st.sampled_from(["float32", "bfloat16", "int8", "int32"
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.text(max_size=6), arrays), max_size=6), st.integers(1, 64))
-def test_prepare_and_plan_refuse_cleanly(spec, buffer_size):
+def test_describe_and_plan_refuse_cleanly(spec, buffer_size):
     """Random names, shapes and dtypes (some not on vLLM's wire): metadata or MetadataError."""
     pairs = [(name, jnp.zeros(shape, dtype)) for name, (shape, dtype) in spec]
-    sender = WeightSender.__new__(WeightSender)  # prepare() needs only the mapping
-    from jax_sender import Mapping
-    sender.mapping = Mapping()
     try:
-        metas, _ = sender.prepare(pairs)
+        metas, _ = describe(pairs, Mapping())
         chunks = plan_chunks(metas, buffer_size)
         check_alignment(metas, chunks)
     except MetadataError:

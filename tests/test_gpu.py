@@ -112,6 +112,11 @@ def test_200_sends_exact_and_memory_flat():
         print(run("many_sends", url, "packed", "200", timeout=580))
 
 
+def test_load_plan_subsets_pass_and_strangers_are_refused():
+    with ReferenceServer(["1"]) as url:
+        print(run("load_plan", url, timeout=180))
+
+
 def test_demo_runs():
     out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=dict(
         os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=400, cwd=ROOT)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_sender import LLAMA, Mapping, MetadataError, TensorMeta, llama_name, named_arrays, plan_chunks
+from jax_sender import (LLAMA, LoadPlan, Mapping, MetadataError, TensorMeta, describe, llama_name,
+                        named_arrays, plan_chunks)
 from jax_sender.models.llama import Config, init_params
 from jax_sender.plan import WIRE_DTYPES, check_against, check_unique
 from jax_sender.sender import WeightSender
@@ -132,27 +133,41 @@ def test_pairs_keep_their_names_and_custom_mappings():
     assert [n for n, _, _ in named_arrays({"a": {"b": jnp.ones(1)}}, m)] == ["a/b"]
 
 
-def _sender(mapping=LLAMA):
-    """prepare() runs no collective and no HTTP: a sender without a live group."""
-    s = WeightSender.__new__(WeightSender)
-    s.mapping = mapping
-    return s
-
-
-def test_prepare_uses_transformed_metadata_and_refuses_bad_dtypes():
+def test_describe_uses_transformed_metadata_and_refuses_bad_dtypes():
     cfg = Config(vocab=32, hidden=8, intermediate=12, layers=1, heads=2, kv_heads=1, head_dim=4)
-    metas, _ = _sender().prepare(init_params(cfg))
+    metas, _ = describe(init_params(cfg), LLAMA)
     by = {m.name: m for m in metas}
     assert by["model.layers.0.mlp.up_proj.weight"] == TensorMeta(
         "model.layers.0.mlp.up_proj.weight", "bfloat16", (12, 8))
     cast = Mapping(transform=lambda p, a: a.astype(jnp.float32))
-    assert {m.dtype for m in _sender(cast).prepare({"w": jnp.ones(2, jnp.bfloat16)})[0]} == {"float32"}
+    assert {m.dtype for m in describe({"w": jnp.ones(2, jnp.bfloat16)}, cast)[0]} == {"float32"}
     with pytest.raises(MetadataError, match="cannot take"):
-        _sender(Mapping()).prepare({"w": jnp.ones(2, jnp.uint32)})
+        describe({"w": jnp.ones(2, jnp.uint32)}, Mapping())
     with pytest.raises(MetadataError, match="nothing to send"):
-        _sender(Mapping()).prepare({})
+        describe({}, Mapping())
     with pytest.raises(MetadataError, match="appears twice"):
-        _sender(Mapping()).prepare([("w", jnp.ones(1)), ("w", jnp.ones(1))])
+        describe([("w", jnp.ones(1)), ("w", jnp.ones(1))], Mapping())
+
+
+def test_load_plan_checks_like_vllms_manifest():
+    """Subsets pass; an undeclared tensor or another dtype/shape is refused with
+    vLLM's message, before any HTTP call (``prepare`` is the first step of ``send``)."""
+    params = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.ones(4, jnp.float32)}
+    plan = LoadPlan(describe(params, Mapping())[0])
+    assert plan.to_payload() == [["a", "bfloat16", [2, 3]], ["b", "float32", [4]]]
+    assert LoadPlan.from_payload(plan.to_payload()).metas == plan.metas
+    sender = WeightSender.__new__(WeightSender)  # prepare() needs no live group
+    sender.mapping, sender.load_plan = Mapping(), plan
+    assert [m.name for m in sender.prepare({"b": jnp.zeros(4, jnp.float32)})[0]] == ["b"]
+    with pytest.raises(MetadataError, match=r"'b' sent as \(float32, \[5\]\) was declared at "
+                                            r"init as \(float32, \[4\]\); with use_load_plan"):
+        sender.prepare({"b": jnp.zeros(5, jnp.float32)})
+    with pytest.raises(MetadataError, match="'c' sent as .* was not declared"):
+        sender.prepare({"c": jnp.zeros(1, jnp.float32)})
+    with pytest.raises(MetadataError, match="triples"):
+        LoadPlan.from_payload([["a", "bfloat16"]])
+    with pytest.raises(MetadataError, match="appears twice"):
+        LoadPlan.from_payload([["a", "int8", [1]], ["a", "int8", [1]]])
 
 
 def test_misaligned_packed_layout_is_refused_up_front():
