@@ -82,9 +82,7 @@ class ReferenceWorker:
         if not 0 <= update.src < self.info.rank_offset:
             raise ValueError(f"NCCL update src must be a sender rank in "
                              f"[0, {self.info.rank_offset}), got {update.src!r}.")
-        if update.names:
-            self._last = update
-        elif self._last is not None:
+        if not update.names and self._last is not None:
             update = self._last
         metas = []
         for name, dt, shape in zip(update.names, update.dtype_names, update.shapes):
@@ -93,6 +91,7 @@ class ReferenceWorker:
             metas.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
         if self.plan is not None:
             self.plan.check(metas)  # before any collective, like vLLM's worker
+        self._last = update  # only once accepted (vLLM keeps a refused one too)
         if self.info.packed:
             self._receive_packed(metas, update.src)
         else:
