@@ -87,8 +87,9 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tupl
     for name, path, arr in named_arrays(params, mapping):
         if not isinstance(name, str) or not name:
             raise MetadataError(f"parameter at {path} has no checkpoint name")
-        # Tracing costs ~0.3 ms per tensor: skipped when there is no transform.
-        out = jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr) if traced else arr
+        # Tracing costs ~0.3 ms per tensor: skipped for arrays with no transform.
+        out = (jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr)
+               if traced or not hasattr(arr, "dtype") else arr)
         metas.append(TensorMeta.of(name, out))
         sources.append((path, arr))
     if not metas:
