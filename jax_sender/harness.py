@@ -21,8 +21,9 @@ class ReferenceServer:
     """``with ReferenceServer(gpus=["1"]) as url: ...``"""
 
     def __init__(self, gpus: Sequence[str | int] = (), *, fail_load_after: int = -1,
-                 load_delay: float = 0.0, start_timeout: float = 300.0):
+                 load_delay: float = 0.0, backend: str = "nccl", start_timeout: float = 300.0):
         self.gpus = [str(g) for g in gpus]
+        self.backend = backend
         self.fail_load_after = fail_load_after
         self.load_delay = load_delay
         self.start_timeout = start_timeout
@@ -34,8 +35,8 @@ class ReferenceServer:
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
-             "--fail-load-after", str(self.fail_load_after), "--load-delay",
-             str(self.load_delay)],
+             "--backend", self.backend, "--fail-load-after", str(self.fail_load_after),
+             "--load-delay", str(self.load_delay)],
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from nccl_cffi import Communicator, cuda, numpy_dtype
-from uniqueid import InitInfo, UpdateInfo, handshake
+from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo, handshake
 
 from .packer import buffer_pointer
 from .plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
+from .sparse import Patch, apply
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
 
@@ -96,6 +97,33 @@ class ReferenceWorker:
             self._receive_packed(metas, update.src)
         else:
             self._receive_unpacked(metas, update.src)
+        return len(metas)
+
+    def receive_sparse(self, update: SparseUpdateInfo) -> int:
+        """``sparse_nccl``: per tensor, int32 flat indices then values, written
+        into the stored tensor (zeros if there is none yet)."""
+        if self.comm is None:
+            raise RuntimeError("NCCL weight transfer not initialized. "
+                               "Call init_transfer_engine() first.")
+        metas = [TensorMeta(n, d, tuple(int(x) for x in s))
+                 for n, d, s in zip(update.names, update.dtype_names, update.shapes)]
+        for m in metas:  # before any collective
+            if m.dtype not in WIRE_DTYPES:
+                raise ValueError(f"Unsupported dtype {m.dtype}: should be one of "
+                                 f"{', '.join(WIRE_DTYPES)}")
+        for m, count in zip(metas, update.num_updates_list):
+            if not count:
+                continue  # a zero-length broadcast: nothing on the wire
+            indices = _device_zeros((count,), "int32", self.device)
+            values = _device_zeros((count,), m.dtype, self.device)
+            for arr, dt in ((indices, "int32"), (values, m.dtype)):
+                self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
+                                    stream=self._stream, timeout=self.timeout)
+            self._wait(f"sparse patch of {m.name}")
+            base = self.store.get(m.name)
+            if base is None:
+                base = _device_zeros(m.shape, m.dtype, self.device)
+            self.load_weights([(m.name, apply(base, Patch(m.name, m.shape, indices, values)))])
         return len(metas)
 
     def _wait(self, what: str) -> None:

@@ -25,12 +25,13 @@ from typing import Any
 import jax
 
 from uniqueid import Connection, VLLMClient, connect, in_background
-from uniqueid.wire import UpdateInfo
+from uniqueid.wire import SparseUpdateInfo, UpdateInfo
 
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
 from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_alignment,
                    check_unique, plan_chunks)
+from .sparse import Patch, count_changed, diff
 
 log = logging.getLogger("jax_sender")
 
@@ -202,45 +203,77 @@ class WeightSender:
         update = UpdateInfo() if reuse else UpdateInfo(
             names=[m.name for m in metas], dtype_names=[m.dtype for m in metas],
             shapes=[list(m.shape) for m in metas])
+        get = self._getter(metas, sources)
+
+        def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
+            if info.packed:
+                b.packed(metas, chunks, get, 0, timeout=timeout, check=check)
+            else:
+                b.unpacked(metas, get, 0, timeout=timeout, check=check)
+
         t1 = time.perf_counter()
-        if pause:
-            for c in self.clients:
-                c.pause(pause)
-        try:
-            for c in self.clients:
-                c.start_weight_update()
-            t2 = time.perf_counter()
-            broadcast_s, host_s = self._transfer(metas, sources, chunks, update, timeout)
-            t3 = time.perf_counter()
-            for c in self.clients:
-                c.finish_weight_update(weight_version)
-            t4 = time.perf_counter()
-        finally:
-            if pause:
-                for c in self.clients:
-                    c.resume()
+        phases = self._round(update.to_payload(), broadcast, timeout,
+                             timeout * max(len(chunks), 1) + 60, weight_version, pause)
         self._sent = metas
         stats = SendStats(nbytes, len(metas), len(chunks) if info.packed else len(metas),
-                          info.packed, reuse, t1 - t0, t2 - t1, t3 - t2, t4 - t3, broadcast_s,
-                          host_s)
+                          info.packed, reuse, t1 - t0, *phases)
         log.info("sent %s", stats)
         return stats
 
-    def _transfer(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]], chunks,
-                  update: UpdateInfo, timeout: float) -> tuple[float, float]:
-        """Broadcast while the workers receive in ``/update_weights``; returns
-        the broadcasts' own span and the host's packing time, to tell them
-        from HTTP and receiver time."""
-        payload = update.to_payload()
-        futures: list[Future] = [
-            in_background(c.update_weights, payload, timeout * max(len(chunks), 1) + 60)
-            for c in self.clients]
+    def send_sparse(self, params: Any, previous: Any, *, tolerance: float | None = None,
+                    weight_version: str | None = None, pause: str | None = None) -> SendStats:
+        """Push only the elements of ``params`` that differ from ``previous`` (the
+        weights the workers hold now), to servers running vLLM's ``sparse_nccl``
+        backend: per tensor, its int32 flat indices then its values.
 
-        def workers_failed() -> None:
-            for f in futures:
-                if f.done() and f.exception() is not None:
-                    f.result()
+        Exact by default (bits compared, see ``sparse.py``); ``tolerance``
+        skips float changes no larger than it, which is lossy. Counting the
+        changes syncs the host once per tensor; each patch is then built just
+        in time and freed once broadcast.
+        """
+        if self.broken:
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+        t0 = time.perf_counter()
+        metas, sources = self.prepare(params)
+        before, old_sources = describe(previous, self.mapping)
+        check_against(before, metas)
+        get_new, get_old = self._getter(metas, sources), self._getter(before, old_sources)
+        counts = [count_changed(get_old(i), get_new(i), tolerance) for i in range(len(metas))]
+        update = SparseUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
+                                  [list(m.shape) for m in metas], counts)
+        owners = [i for i, n in enumerate(counts) if n]  # zero-length broadcasts are skipped
+        wire = [w for i in owners for w in (
+            TensorMeta(f"{metas[i].name}:indices", "int32", (counts[i],)),
+            TensorMeta(f"{metas[i].name}:values", metas[i].dtype, (counts[i],)))]
+        patches: dict[int, Patch] = {}
 
+        def get(j: int) -> jax.Array:
+            i = owners[j // 2]
+            if j % 2:
+                return patches.pop(i).values
+            patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance)
+            if patches[i].count != counts[i]:
+                raise MetadataError(f"{metas[i].name!r} changed while it was being sent")
+            return patches[i].indices
+
+        largest = max((w.nbytes for w in wire), default=0)
+        timeout = self.timeout or _TIMEOUT_FLOOR + 2 * largest / _SLOW_BYTES_PER_S
+
+        def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
+            b.unpacked(wire, get, 0, timeout=timeout, check=check)
+
+        t1 = time.perf_counter()
+        phases = self._round(update.to_payload(), broadcast, timeout, timeout + 60,
+                             weight_version, pause)
+        self._sent = None
+        stats = SendStats(sum(w.nbytes for w in wire), len(metas), len(wire), False, False,
+                          t1 - t0, *phases)
+        log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
+        return stats
+
+    def _getter(self, metas: list[TensorMeta],
+                sources: list[tuple[Any, Any]]) -> Callable[[int], jax.Array]:
+        """Tensor ``i`` on the sender's device, checked against its metadata."""
         as_described = self.mapping.transform is identity
 
         def get(i: int) -> jax.Array:
@@ -254,6 +287,47 @@ class WeightSender:
                                     "was declared")
             return arr
 
+        return get
+
+    def _round(self, payload: dict[str, Any],
+               broadcast: Callable[[Broadcaster, Callable[[], None]], None], timeout: float,
+               http_timeout: float, weight_version: str | None,
+               pause: str | None) -> tuple[float, float, float, float, float]:
+        """Pause, start, update (with the broadcasts), finish, resume. Returns the
+        start, transfer and finish times, and the broadcasts' span and host time."""
+        if pause:
+            for c in self.clients:
+                c.pause(pause)
+        try:
+            t1 = time.perf_counter()
+            for c in self.clients:
+                c.start_weight_update()
+            t2 = time.perf_counter()
+            broadcast_s, host_s = self._transfer(payload, broadcast, timeout, http_timeout)
+            t3 = time.perf_counter()
+            for c in self.clients:
+                c.finish_weight_update(weight_version)
+            t4 = time.perf_counter()
+        finally:
+            if pause:
+                for c in self.clients:
+                    c.resume()
+        return t2 - t1, t3 - t2, t4 - t3, broadcast_s, host_s
+
+    def _transfer(self, payload: dict[str, Any],
+                  broadcast: Callable[[Broadcaster, Callable[[], None]], None], timeout: float,
+                  http_timeout: float) -> tuple[float, float]:
+        """Broadcast while the workers receive in ``/update_weights``; returns
+        the broadcasts' own span and the host's packing time, to tell them
+        from HTTP and receiver time."""
+        futures: list[Future] = [in_background(c.update_weights, payload, http_timeout)
+                                 for c in self.clients]
+
+        def workers_failed() -> None:
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    f.result()
+
         if self._broadcaster is None:
             self._broadcaster = Broadcaster(self.connection.comm, self.device,
                                             self.info.packed_buffer_size_bytes,
@@ -261,11 +335,8 @@ class WeightSender:
         b = self._broadcaster
         try:
             workers_failed()
-            if self.info.packed:
-                b.packed(metas, chunks, get, 0, timeout=timeout, check=workers_failed)
-            else:
-                b.unpacked(metas, get, 0, timeout=timeout, check=workers_failed)
-            broadcast_s = time.perf_counter() - b.started
+            broadcast(b, workers_failed)
+            broadcast_s = time.perf_counter() - b.started if b.started else 0.0
             deadline = time.monotonic() + timeout
             for client, f in zip(self.clients, futures):
                 try:

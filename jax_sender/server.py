@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from uniqueid.wire import InitInfo, UpdateInfo
+from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
 from .plan import LoadPlan
 
@@ -106,8 +106,9 @@ def start_workers(gpus: list[str], fault_args: list[str]) -> Workers:
 
 
 class State:
-    def __init__(self, workers: Workers):
+    def __init__(self, workers: Workers, backend: str = "nccl"):
         self.workers = workers
+        self.backend = backend
         self.active = False
         self.version = "default"
         self.paused = False
@@ -174,8 +175,12 @@ def route(state: State, method: str, path: str, query: dict[str, list[str]],
             raise HTTPError(500, "Call to collective_rpc method failed: "
                                  "start_weight_update must be called before update_weights.")
         try:
-            UpdateInfo.from_payload(info)
-            w.call("receive", info)
+            if state.backend == "sparse_nccl":
+                SparseUpdateInfo.from_payload(info)
+                w.call("receive_sparse", info)
+            else:
+                UpdateInfo.from_payload(info)
+                w.call("receive", info)
         except (ValueError, TypeError) as e:
             state.active = False
             raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
@@ -247,13 +252,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", default="", help="comma-separated physical GPU ids, one worker each")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--backend", choices=("nccl", "sparse_nccl"), default="nccl",
+                    help="like vLLM's --weight-transfer-config backend, fixed at launch")
     ap.add_argument("--fail-load-after", default="-1", help="fault injection, see worker.py")
     ap.add_argument("--load-delay", default="0", help="fault injection, see worker.py")
     args = ap.parse_args()
     gpus = [g for g in args.gpus.split(",") if g]
     workers = start_workers(gpus, ["--fail-load-after", args.fail_load_after,
                                    "--load-delay", args.load_delay])
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers)))
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers, args.backend)))
     server.daemon_threads = True
     print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:

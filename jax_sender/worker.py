@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["JVN_AUTHKEY"]))
 
-    from uniqueid import InitInfo, UpdateInfo
+    from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo
 
     from .receiver import ReferenceWorker
 
@@ -54,6 +54,7 @@ def main() -> None:
     methods = {
         "init": lambda p: worker.init(InitInfo.from_payload(p)),
         "receive": lambda p: worker.receive(UpdateInfo.from_payload(p)),
+        "receive_sparse": lambda p: worker.receive_sparse(SparseUpdateInfo.from_payload(p)),
         "shutdown": lambda: worker.shutdown(),
         "checksums": lambda: worker.checksums(),
         "reset": lambda: worker.reset(),

@@ -236,3 +236,20 @@ def test_reference_server_failed_update_drops_the_session(reference):
         reference.update_weights({"names": ["a"], "dtype_names": [], "shapes": [[1]]})
     with pytest.raises(VLLMHTTPError, match="without a matching"):
         reference.finish_weight_update()
+
+
+def test_sparse_backend_parses_vllms_sparse_update_info():
+    """A server launched with the sparse backend reads ``num_updates_list``; a
+    dense body is refused before any collective, like vLLM's worker would."""
+    from uniqueid import SparseUpdateInfo
+    with ReferenceServer([], backend="sparse_nccl") as url:
+        c = VLLMClient(url)
+        c.start_weight_update()
+        c.update_weights(SparseUpdateInfo(["w"], ["bfloat16"], [[4, 4]], [3]).to_payload())
+        with pytest.raises(VLLMHTTPError, match="num_updates_list") as e:
+            c.update_weights(UpdateInfo(["w"], ["bfloat16"], [[4, 4]]).to_payload())
+        assert e.value.status == 500
+        c.start_weight_update()  # the failed update dropped the session
+        with pytest.raises(VLLMHTTPError, match="cannot be empty"):
+            c.update_weights({"names": [], "dtype_names": [], "shapes": [],
+                              "num_updates_list": []})

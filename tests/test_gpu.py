@@ -117,6 +117,10 @@ def test_load_plan_subsets_pass_and_strangers_are_refused():
         print(run("load_plan", url, timeout=180))
 
 
+def test_sparse_patches_are_bit_exact():
+    print(run("sparse", timeout=180))
+
+
 def test_demo_runs():
     out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=dict(
         os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=400, cwd=ROOT)

@@ -8,12 +8,13 @@ from .wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     InitInfo,
+    SparseUpdateInfo,
     UpdateInfo,
 )
 
 __all__ = [
     "B64_LENGTH", "Connection", "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS",
-    "InitInfo", "RendezvousError", "RendezvousTimeout", "UNIQUE_ID_BYTES", "UniqueId",
-    "UniqueIdError", "UpdateInfo", "VLLMClient", "VLLMConnectionError", "VLLMHTTPError",
-    "check_rendezvous_mode", "connect", "handshake", "in_background", "warm_up",
+    "InitInfo", "RendezvousError", "RendezvousTimeout", "SparseUpdateInfo", "UNIQUE_ID_BYTES",
+    "UniqueId", "UniqueIdError", "UpdateInfo", "VLLMClient", "VLLMConnectionError",
+    "VLLMHTTPError", "check_rendezvous_mode", "connect", "handshake", "in_background", "warm_up",
 ]

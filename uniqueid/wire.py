@@ -150,3 +150,41 @@ class UpdateInfo:
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> "UpdateInfo":
         return _construct(cls, payload, "update_info")
+
+
+@dataclass
+class SparseUpdateInfo:
+    """``update_info`` of ``POST /update_weights`` for the ``sparse_nccl`` backend.
+
+    Per tensor, ``num_updates_list[i]`` changed elements follow as two
+    broadcasts: int32 flat indices, then the values in ``dtype_names[i]``.
+    There is no metadata reuse: every call lists its tensors.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    num_updates_list: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for key in ("dtype_names", "shapes"):
+            if len(getattr(self, key)) != n:
+                raise ValueError(f"`{key}` should be of the same size as `names`: "
+                                 f"got {len(getattr(self, key))} and {n}")
+        if not self.num_updates_list:
+            raise ValueError("`num_updates_list` cannot be empty for sparse updates")
+        if len(self.num_updates_list) != n:
+            raise ValueError(f"`num_updates_list` should be of the same size as `names`: "
+                             f"got {len(self.num_updates_list)} and {n}")
+        for k in self.num_updates_list:
+            _need_int("num_updates_list entries", k, 0)
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"names": list(self.names), "dtype_names": list(self.dtype_names),
+                "shapes": [[int(d) for d in s] for s in self.shapes],
+                "num_updates_list": [int(k) for k in self.num_updates_list]}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> "SparseUpdateInfo":
+        return _construct(cls, payload, "update_info")

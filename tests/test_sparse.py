@@ -1,0 +1,86 @@
+"""Sparse patches: bit-exact against a dense push, lossy only when asked (no GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jax_sender import MetadataError
+from jax_sender.sparse import apply, count_changed, diff
+from uniqueid import SparseUpdateInfo
+
+DTYPES = {"bfloat16": (jnp.bfloat16, np.uint16), "float16": (jnp.float16, np.uint16),
+          "float32": (jnp.float32, np.uint32), "float8_e4m3fn": (jnp.float8_e4m3fn, np.uint8),
+          "int8": (jnp.int8, np.uint8), "int32": (jnp.int32, np.uint32)}
+
+
+def _from_bits(bits: np.ndarray, dtype) -> jax.Array:
+    return jnp.asarray(bits.view(np.dtype(dtype)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(DTYPES)), st.sampled_from([1, 7, 96, 300]), st.data())
+def test_patch_reproduces_every_bit(dtype_name, n, data):
+    """Random bit patterns (NaN payloads, -0.0, infinities included), random changes."""
+    dtype, bits = DTYPES[dtype_name]
+    width = np.iinfo(bits).max
+    old_bits = np.array(data.draw(st.lists(st.integers(0, width), min_size=n, max_size=n)),
+                        dtype=bits)
+    new_bits = old_bits.copy()
+    for i in data.draw(st.lists(st.integers(0, n - 1), max_size=n)):
+        new_bits[i] = data.draw(st.integers(0, width))
+    shape = (n,) if n % 3 else (3, n // 3)
+    old = _from_bits(old_bits, dtype).reshape(shape)
+    new = _from_bits(new_bits, dtype).reshape(shape)
+    patch = diff("w", old, new)
+    assert patch.indices.dtype == jnp.int32 and patch.values.dtype == new.dtype
+    assert patch.count == count_changed(old, new) == int(np.sum(old_bits != new_bits))
+    assert sorted(np.asarray(patch.indices).tolist()) == np.flatnonzero(old_bits != new_bits).tolist()
+    out = apply(old, patch)
+    assert np.array_equal(np.asarray(out).view(bits), np.asarray(new).view(bits))
+    assert not patch.lossy
+
+
+def test_signed_zero_and_nan_payloads_count_as_changes():
+    old = jnp.array([0.0, np.nan, 1.0], jnp.float32)
+    new = jnp.asarray(np.array([0x80000000, 0x7FC00001, 0x3F800000], np.uint32).view(np.float32))
+    patch = diff("w", old, new)
+    assert np.asarray(patch.indices).tolist() == [0, 1]
+    assert np.array_equal(np.asarray(apply(old, patch)).view(np.uint32),
+                          np.asarray(new).view(np.uint32))
+
+
+def test_tolerance_is_lossy_and_says_so():
+    old = jnp.zeros(6, jnp.bfloat16)
+    new = jnp.array([0, 1e-4, -1e-4, 0.5, np.nan, -2], jnp.bfloat16)
+    patch = diff("w", old, new, tolerance=1e-3)
+    assert patch.lossy and np.asarray(patch.indices).tolist() == [3, 4, 5]
+    assert diff("i", jnp.zeros(3, jnp.int8), jnp.ones(3, jnp.int8), tolerance=5).lossy is False
+
+
+def test_sizes_and_refusals():
+    old = jnp.zeros((4, 4), jnp.bfloat16)
+    patch = diff("w", old, old.at[1, 2].set(3))
+    assert (patch.count, patch.nbytes, patch.dense_nbytes) == (1, 6, 32)
+    assert np.asarray(patch.indices).tolist() == [6]
+    with pytest.raises(MetadataError, match="same layout"):
+        diff("w", old, jnp.zeros((4, 4), jnp.float32))
+
+
+def test_sparse_update_info_follows_vllms_rules():
+    info = SparseUpdateInfo(["a", "b"], ["bfloat16", "float32"], [[2, 3], [4]], [1, 0])
+    assert SparseUpdateInfo.from_payload(info.to_payload()) == info
+    for bad, match in [
+        (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[]),
+         "cannot be empty"),
+        (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[1, 2]),
+         "same size as `names`"),
+        (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[-1]),
+         ">= 0"),
+        (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[1],
+              src=1), "unexpected keyword argument 'src'"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            SparseUpdateInfo.from_payload(bad)
