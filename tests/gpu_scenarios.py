@@ -364,6 +364,24 @@ def sparse() -> None:
           f"(dense {dense} B), both bit-exact")
 
 
+def servers(mode: str, *urls: str) -> None:
+    """Several independent servers join one communicator; one broadcast feeds all."""
+    from jax_sender import WeightSender
+    sender = WeightSender.connect(list(urls), packed=mode == "packed",
+                                  packed_buffer_size_bytes=1 << 20)
+    offsets = [i.rank_offset for i in sender.connection.init_infos]
+    assert offsets == list(range(1, len(urls) + 1)), offsets
+    for v in range(2):
+        pairs = _test_tensors(10 + v)
+        sender.send(pairs, weight_version=f"v{v}")
+        for c in sender.clients:
+            ans = c.weight_checker("compare", baseline=_checksums(pairs, 1))
+            assert ans["match"], (c.base_url, ans["mismatches"][:5])
+            assert c.weight_info()["weight_version"] == f"v{v}"
+    sender.close()
+    print(f"OK {mode}: {len(urls)} servers at rank offsets {offsets}, one broadcast, bit-exact")
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

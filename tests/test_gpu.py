@@ -74,6 +74,13 @@ def test_send_to_three_receivers(mode):
         run("send", url, mode, "3", "2", timeout=300)
 
 
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_three_servers_one_broadcast(mode):
+    with ReferenceServer(["1"]) as a, ReferenceServer(["2"]) as b, ReferenceServer(["3"]) as c:
+        print(run("servers", mode, a, b, c, timeout=300))
+
+
 def test_world_size_too_large_times_out():
     with ReferenceServer(["1"]) as url:
         print(run("too_large", url, timeout=120))
