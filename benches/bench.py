@@ -412,7 +412,7 @@ def report(data: dict) -> str:
         if t:
             ours = j["bytes"] / statistics.median(j["transfer"]) / 1e9
             theirs = t["bytes"] / statistics.median(t["transfer"]) / 1e9
-            lines.append(_row(f"  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
+            lines.append(_row("  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
                               f"ratio to raw; ours / torch = {ours / theirs:.2f}"))
     init = data["init"]
     lines += ["", "| init + warm-up, 2 ranks, no HTTP | median ms | best ms | ratio |",

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection, Listener
 from typing import Any

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .plan import MetadataError
 
@@ -38,14 +37,6 @@ class Patch:
     @property
     def count(self) -> int:
         return int(self.indices.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * (4 + self.values.dtype.itemsize)
-
-    @property
-    def dense_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.values.dtype.itemsize
 
 
 def _changed(old: jax.Array, new: jax.Array, tolerance: float | None) -> jax.Array:

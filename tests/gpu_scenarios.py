@@ -6,7 +6,6 @@ Each runs on the one GPU its parent put in CUDA_VISIBLE_DEVICES, prints
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -132,7 +131,6 @@ def _checksums(pairs, ranks: int) -> dict[str, str]:
 def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
     """Sender -> server at ``url``: two versions, metadata reuse, bit-exact checks."""
     import jax
-    import jax.numpy as jnp
 
     from jax_sender import WeightSender
     packed = mode == "packed"

