@@ -111,19 +111,23 @@ class ReferenceWorker:
             if m.dtype not in WIRE_DTYPES:
                 raise ValueError(f"Unsupported dtype {m.dtype}: should be one of "
                                  f"{', '.join(WIRE_DTYPES)}")
+            held = self.store.get(m.name)
+            if held is not None and TensorMeta.of(m.name, held) != m:
+                raise ValueError(f"sparse patch for {m.name!r} as {m.dtype} {list(m.shape)}, "
+                                 f"but the worker holds {held.dtype} {list(held.shape)}")
         for m, count in zip(metas, update.num_updates_list):
-            if not count:
-                continue  # a zero-length broadcast: nothing on the wire
-            indices = _device_zeros((count,), "int32", self.device)
-            values = _device_zeros((count,), m.dtype, self.device)
-            for arr, dt in ((indices, "int32"), (values, m.dtype)):
-                self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
-                                    stream=self._stream, timeout=self.timeout)
-            self._wait(f"sparse patch of {m.name}")
             base = self.store.get(m.name)
             if base is None:
                 base = _device_zeros(m.shape, m.dtype, self.device)
-            self.load_weights([(m.name, apply(base, Patch(m.name, m.shape, indices, values)))])
+            if count:  # a zero-length broadcast puts nothing on the wire
+                indices = _device_zeros((count,), "int32", self.device)
+                values = _device_zeros((count,), m.dtype, self.device)
+                for arr, dt in ((indices, "int32"), (values, m.dtype)):
+                    self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
+                                        stream=self._stream, timeout=self.timeout)
+                self._wait(f"sparse patch of {m.name}")
+                base = apply(base, Patch(m.name, m.shape, indices, values))
+            self.load_weights([(m.name, base)])
         return len(metas)
 
     def _wait(self, what: str) -> None:
