@@ -124,3 +124,24 @@ def test_host_arrays_are_refused():
         nccl_cffi.as_buffer(np.zeros(3))  # read through DLPack: a CPU tensor
     with pytest.raises(ValueError, match="not on a CUDA device"):
         nccl_cffi.as_buffer(jnp.zeros(3))  # a CPU JAX array
+
+
+def test_poll_until_returns_checks_and_times_out():
+    """The wait behind every deadline: done ends it, check may end it, the
+    deadline ends it through on_timeout (where callers abort)."""
+    import time
+
+    from nccl_cffi.cuda import poll_until
+    ready = time.monotonic() + 0.01
+    calls = []
+    poll_until(lambda: time.monotonic() > ready, 1.0, check=lambda: calls.append(1),
+               on_timeout=lambda: AssertionError("timed out"))
+    assert calls  # checked between polls
+    with pytest.raises(KeyError):
+        poll_until(lambda: False, 1.0, check=lambda: {}["peer died"],
+                   on_timeout=lambda: AssertionError("timed out"))
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="late"):
+        poll_until(lambda: False, 0.05, on_timeout=lambda: TimeoutError("late"))
+    assert 0.05 <= time.monotonic() - t < 0.5
+    poll_until(lambda: True, 0.0, on_timeout=lambda: AssertionError("already done"))
