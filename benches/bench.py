@@ -464,12 +464,15 @@ def plot(data: dict, path: pathlib.Path) -> bool:
 
 
 def main() -> None:
+    global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
     ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
+    ap.add_argument("--out", default=str(OUT), help="results folder (default: results/)")
     args = ap.parse_args()
-    OUT.mkdir(exist_ok=True)
+    OUT = pathlib.Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
     if args.plot:
         data = json.loads(pathlib.Path(args.plot).read_text())
     else:
