@@ -87,7 +87,6 @@ class Broadcaster:
                  num_buffers: int):
         self.comm = comm
         self.buffer_size = buffer_size
-        self.device = device
         self.ordinal = comm.device
         self.num_buffers = num_buffers
         self.copy_stream = cuda.Stream(self.ordinal)
@@ -138,6 +137,13 @@ class Broadcaster:
         self._inflight.append(_InFlight(self._event(self.nccl_stream), region, keep))
         check()
 
+    def _timed(self, get: Callable[[int], jax.Array], i: int) -> jax.Array:
+        """``get(i)``, its time counted as host time."""
+        t = time.perf_counter()
+        arr = get(i)
+        self.host_s += time.perf_counter() - t
+        return arr
+
     # -- modes ----------------------------------------------------------
     def packed(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk],
                get: Callable[[int], jax.Array], root: int, *,
@@ -154,9 +160,7 @@ class Broadcaster:
             while len(self._inflight) >= self.num_buffers:
                 self._retire_oldest(timeout, check)
             if c.single:
-                t = time.perf_counter()
-                arr = get(c.start)
-                self.host_s += time.perf_counter() - t
+                arr = self._timed(get, c.start)
                 self._launch(buffer_pointer(arr), c.nbytes, "uint8", root, None, [arr],
                              timeout, check)
                 continue
@@ -165,12 +169,12 @@ class Broadcaster:
             # Tensors that land on free bytes are copied at once; those on bytes a
             # pending broadcast still reads wait for it, after the others.
             t = time.perf_counter()
-            sources, later = [], []
+            sources, later, busy = [], [], self._busy()  # nothing retires in this loop
             for i, off in zip(range(c.start, c.stop), c.offsets):
                 arr = get(i)
                 sources.append(arr)
                 lo, n = start + off, metas[i].nbytes
-                if overlap(lo, lo + n, self._busy()):
+                if overlap(lo, lo + n, busy):
                     later.append((lo, n, arr))
                 elif n:
                     cuda.copy_async(self.arena.ptr + lo, buffer_pointer(arr), n,
@@ -198,9 +202,7 @@ class Broadcaster:
         for i, m in enumerate(metas):
             while len(self._inflight) >= window:
                 self._retire_oldest(timeout, check)
-            t = time.perf_counter()
-            arr = get(i)
-            self.host_s += time.perf_counter() - t
+            arr = self._timed(get, i)
             self._launch(buffer_pointer(arr), m.numel, m.dtype, root, None, [arr],
                          timeout, check)
         self.drain(timeout, check)

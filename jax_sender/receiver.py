@@ -75,21 +75,31 @@ class ReferenceWorker:
             self._stream.close()
             self._stream = None
 
-    def receive(self, update: UpdateInfo) -> int:
-        """Receive one ``update_weights`` call's tensors; returns how many."""
+    def _require_init(self) -> None:
         if self.comm is None or self.info is None:
             raise RuntimeError("NCCL weight transfer not initialized. "
                                "Call init_transfer_engine() first.")
-        if not 0 <= update.src < self.info.rank_offset:
-            raise ValueError(f"NCCL update src must be a sender rank in "
-                             f"[0, {self.info.rank_offset}), got {update.src!r}.")
-        if not update.names and self._last is not None:
-            update = self._last
+
+    @staticmethod
+    def _metas(update: UpdateInfo | SparseUpdateInfo) -> list[TensorMeta]:
+        """The update's tensors; a dtype the wire cannot carry is refused here,
+        before any collective."""
         metas = []
         for name, dt, shape in zip(update.names, update.dtype_names, update.shapes):
             if dt not in WIRE_DTYPES:
                 raise ValueError(f"Unsupported dtype {dt}: should be one of {', '.join(WIRE_DTYPES)}")
             metas.append(TensorMeta(name, dt, tuple(int(d) for d in shape)))
+        return metas
+
+    def receive(self, update: UpdateInfo) -> int:
+        """Receive one ``update_weights`` call's tensors; returns how many."""
+        self._require_init()
+        if not 0 <= update.src < self.info.rank_offset:
+            raise ValueError(f"NCCL update src must be a sender rank in "
+                             f"[0, {self.info.rank_offset}), got {update.src!r}.")
+        if not update.names and self._last is not None:
+            update = self._last
+        metas = self._metas(update)
         if self.plan is not None:
             self.plan.check(metas)  # before any collective, like vLLM's worker
         self._last = update  # only once accepted (vLLM keeps a refused one too)
@@ -102,15 +112,9 @@ class ReferenceWorker:
     def receive_sparse(self, update: SparseUpdateInfo) -> int:
         """``sparse_nccl``: per tensor, int32 flat indices then values, written
         into the stored tensor (zeros if there is none yet)."""
-        if self.comm is None:
-            raise RuntimeError("NCCL weight transfer not initialized. "
-                               "Call init_transfer_engine() first.")
-        metas = [TensorMeta(n, d, tuple(int(x) for x in s))
-                 for n, d, s in zip(update.names, update.dtype_names, update.shapes)]
+        self._require_init()
+        metas = self._metas(update)
         for m in metas:  # before any collective
-            if m.dtype not in WIRE_DTYPES:
-                raise ValueError(f"Unsupported dtype {m.dtype}: should be one of "
-                                 f"{', '.join(WIRE_DTYPES)}")
             held = self.store.get(m.name)
             if held is not None and TensorMeta.of(m.name, held) != m:
                 raise ValueError(f"sparse patch for {m.name!r} as {m.dtype} {list(m.shape)}, "

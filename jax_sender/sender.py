@@ -185,8 +185,7 @@ class WeightSender:
         before anything is sent. ``pause``: ``"abort"``/``"wait"``/``"keep"``
         pauses generation for the push and resumes it after.
         """
-        if self.broken:
-            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+        self._ensure_usable()
         t0 = time.perf_counter()
         metas, sources = self.prepare(params)
         if metadata is not None:
@@ -231,8 +230,7 @@ class WeightSender:
         changes syncs the host once per tensor; each patch is then built just
         in time and freed once broadcast.
         """
-        if self.broken:
-            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+        self._ensure_usable()
         t0 = time.perf_counter()
         metas, sources = self.prepare(params)
         before, old_sources = describe(previous, self.mapping)
@@ -270,6 +268,10 @@ class WeightSender:
                           t1 - t0, *phases)
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
+
+    def _ensure_usable(self) -> None:
+        if self.broken:
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
 
     def _getter(self, metas: list[TensorMeta],
                 sources: list[tuple[Any, Any]]) -> Callable[[int], jax.Array]:
@@ -363,9 +365,7 @@ class WeightSender:
     def reconnect(self, **connect_kwargs: Any) -> None:
         """Shut the servers' engines down, mint a new id and form the group again."""
         old = self.connection
-        if self._broadcaster is not None:
-            self._broadcaster.close()
-            self._broadcaster = None
+        self._drop_broadcaster()
         old.close(shutdown_servers=True)
         i = old.init_info
         kwargs = dict(packed=i.packed,
@@ -379,10 +379,13 @@ class WeightSender:
 
     def close(self) -> None:
         """Free the streams and arena, shut the servers' engines down, destroy the group."""
+        self._drop_broadcaster()
+        self.connection.close(shutdown_servers=not self.broken)
+
+    def _drop_broadcaster(self) -> None:
         if self._broadcaster is not None:
             self._broadcaster.close()
             self._broadcaster = None
-        self.connection.close(shutdown_servers=not self.broken)
 
     def __enter__(self) -> "WeightSender":
         return self

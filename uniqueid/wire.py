@@ -30,6 +30,21 @@ def _need_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
+def _same_length(info: Any, *keys: str) -> None:
+    """vLLM's check that every per-tensor list is as long as ``names``."""
+    n = len(info.names)
+    for key in keys:
+        if len(getattr(info, key)) != n:
+            raise ValueError(f"`{key}` should be of the same size as `names`: "
+                             f"got {len(getattr(info, key))} and {n}")
+
+
+def _tensor_lists(info: Any) -> dict[str, Any]:
+    """The ``names``, ``dtype_names`` and ``shapes`` keys of an update payload."""
+    return {"names": list(info.names), "dtype_names": list(info.dtype_names),
+            "shapes": [[int(d) for d in s] for s in info.shapes]}
+
+
 def _construct(cls, payload: dict[str, Any], what: str):
     """``cls(**payload)`` with vLLM's error for unknown or missing keys."""
     if not isinstance(payload, dict):
@@ -124,13 +139,7 @@ class UpdateInfo:
     src: int = 0
 
     def __post_init__(self) -> None:
-        n = len(self.names)
-        if len(self.dtype_names) != n:
-            raise ValueError(f"`dtype_names` should be of the same size as `names`: "
-                             f"got {len(self.dtype_names)} and {n}")
-        if len(self.shapes) != n:
-            raise ValueError(f"`shapes` should be of the same size as `names`: "
-                             f"got {len(self.shapes)} and {n}")
+        _same_length(self, "dtype_names", "shapes")
         _need_int("src", self.src, 0)
 
     @property
@@ -138,11 +147,7 @@ class UpdateInfo:
         return not self.names
 
     def to_payload(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "names": list(self.names),
-            "dtype_names": list(self.dtype_names),
-            "shapes": [[int(d) for d in s] for s in self.shapes],
-        }
+        out = _tensor_lists(self)
         if self.src:  # [newer]; omitted when 0 so 0.33.0 servers can read it
             out["src"] = self.src
         return out
@@ -167,22 +172,15 @@ class SparseUpdateInfo:
     num_updates_list: list[int]
 
     def __post_init__(self) -> None:
-        n = len(self.names)
-        for key in ("dtype_names", "shapes"):
-            if len(getattr(self, key)) != n:
-                raise ValueError(f"`{key}` should be of the same size as `names`: "
-                                 f"got {len(getattr(self, key))} and {n}")
+        _same_length(self, "dtype_names", "shapes")
         if not self.num_updates_list:
             raise ValueError("`num_updates_list` cannot be empty for sparse updates")
-        if len(self.num_updates_list) != n:
-            raise ValueError(f"`num_updates_list` should be of the same size as `names`: "
-                             f"got {len(self.num_updates_list)} and {n}")
+        _same_length(self, "num_updates_list")
         for k in self.num_updates_list:
             _need_int("num_updates_list entries", k, 0)
 
     def to_payload(self) -> dict[str, Any]:
-        return {"names": list(self.names), "dtype_names": list(self.dtype_names),
-                "shapes": [[int(d) for d in s] for s in self.shapes],
+        return {**_tensor_lists(self),
                 "num_updates_list": [int(k) for k in self.num_updates_list]}
 
     @classmethod
