@@ -301,56 +301,17 @@ def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
     return out
 
 
-class VLLMServer:
-    """vLLM 0.33.0's real weight-sync routes and engine on GPU 1."""
-
-    def __init__(self, gpu: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        OUT.mkdir(exist_ok=True)
-        self.log = open(OUT / "vllm_server.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / ".vllm" / "server.py"), "--nccl", "--port",
-             str(self.port), "--log", "/tmp/bench_vllm.jsonl"], env=_env(gpu),
-            start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def __enter__(self) -> str:
-        import httpx
-        url = f"http://127.0.0.1:{self.port}"
-        for _ in range(180):
-            if self.proc.poll() is not None:
-                raise RuntimeError("vLLM server exited; see results/vllm_server.log")
-            try:
-                httpx.get(url + "/get_world_size", timeout=2)
-                return url
-            except httpx.HTTPError:
-                time.sleep(1)
-        raise TimeoutError("vLLM server did not start")
-
-    def __exit__(self, *exc) -> None:
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait()
-        self.log.close()
-
-
 def _job(workload_: str, mode: str, reps: int, buffer: int = GiB, nbuf: int = 2) -> dict:
     return dict(workload=workload_, mode=mode, buffer=buffer, nbuf=nbuf, reps=reps)
 
 
-def _vllm_available() -> bool:
-    code = "import sys; sys.path.insert(0, '.vllm'); import shim, fastapi, vllm"
-    return (ROOT / ".vllm").is_dir() and subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
-
-
 def run(reps: int, quick: bool) -> dict:
     """Every stage's figures are saved as soon as they exist."""
-    from jax_sender.harness import ReferenceServer
+    from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
     data["raw"] = _pair("role_raw", _uid(), str(reps))[0][0]
-    vllm = _vllm_available()
+    vllm = vllm_available()
     data["init"] = _init_latency(reps, vllm)
     save()
     main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
@@ -358,7 +319,10 @@ def run(reps: int, quick: bool) -> dict:
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
     extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
-    with (VLLMServer("1") if vllm else ReferenceServer(["1"])) as url:
+    server = (VLLMServer("1", output=OUT / "vllm_server.log",
+                         requests=pathlib.Path("/tmp/bench_vllm.jsonl"))
+              if vllm else ReferenceServer(["1"]))
+    with server as url:
         data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
         data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
         save()

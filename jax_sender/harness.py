@@ -1,8 +1,9 @@
-"""Start the reference receiver (``server.py``) as a child process, and stop it.
+"""Start a receiving server as a child process, and stop it: the reference
+receiver (``server.py``), or vLLM 0.33.0's own (``.vllm/``, see the README).
 
-The server and its workers run in a process group of their own, killed
-whole on exit, so a failed test or demo never leaves a receiver behind
-holding a GPU.
+Each server and its workers run in a process group of their own, killed
+whole on exit, so a failed test, benchmark or demo never leaves a receiver
+behind holding a GPU.
 """
 
 from __future__ import annotations
@@ -11,10 +12,22 @@ import os
 import pathlib
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+
+VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group ``proc`` leads, and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 class ReferenceServer:
@@ -78,11 +91,7 @@ class ReferenceServer:
                 self.proc.wait(15)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        _kill_group(self.proc)
         self.proc = None
 
     def __enter__(self) -> str:
@@ -90,3 +99,56 @@ class ReferenceServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def vllm_available(tree: pathlib.Path = VLLM_TREE) -> bool:
+    """Whether vLLM 0.33.0's tree in ``tree`` imports here (it needs torch)."""
+    code = f"import sys; sys.path.insert(0, {str(tree)!r}); import shim, fastapi, vllm"
+    return tree.is_dir() and subprocess.run(
+        [sys.executable, "-c", code], cwd=tree.parent, capture_output=True,
+        timeout=120).returncode == 0
+
+
+class VLLMServer:
+    """``with VLLMServer("1", output=..., requests=...) as url: ...``: vLLM's
+    weight-sync routes over its real NCCL engine (``.vllm/server.py --nccl``)
+    on one GPU. ``output`` gets its stdout and stderr, ``requests`` one JSON
+    line per request."""
+
+    def __init__(self, gpu: str, *, output: pathlib.Path, requests: pathlib.Path,
+                 tree: pathlib.Path = VLLM_TREE, start_timeout: float = 180.0):
+        self.gpu, self.output, self.requests = gpu, output, requests
+        self.tree, self.start_timeout = tree, start_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpu, NCCL_NVLS_ENABLE="0",
+                   PYTHONUNBUFFERED="1")
+        with open(self.output, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(self.tree / "server.py"), "--nccl", "--port", str(port),
+                 "--log", str(self.requests)], env=env, cwd=self.tree.parent,
+                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise RuntimeError(f"vLLM server exited; see {self.output}")
+            try:
+                httpx.get(url + "/get_world_size", timeout=2)
+                return url
+            except httpx.HTTPError:
+                time.sleep(1)
+        self.__exit__()
+        raise TimeoutError(f"vLLM server not ready within {self.start_timeout}s; "
+                           f"see {self.output}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc)
+            self.proc = None

@@ -6,14 +6,12 @@ and every server is killed with its process group, so a failure never hangs.
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from jax_sender.harness import ReferenceServer
+from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
 from uniqueid import UniqueId
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -137,41 +135,13 @@ def test_demo_runs():
 
 # -- against vLLM 0.33.0's own receiving code (.vllm/, see the README) ---------
 
-VLLM_DIR = ROOT / ".vllm"
-
-
-def _vllm_available() -> bool:
-    code = "import sys; sys.path.insert(0, '.vllm'); import shim, fastapi, vllm"
-    return VLLM_DIR.is_dir() and subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
-
-
 @pytest.fixture
 def vllm_server(tmp_path_factory):
-    if not _vllm_available():
+    if not vllm_available():
         pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("vllm") / "requests.jsonl"
-    out = open(log.with_suffix(".out"), "w")
-    proc = subprocess.Popen([sys.executable, str(VLLM_DIR / "server.py"), "--nccl", "--port",
-                             str(port), "--log", str(log)], env=env_for("1"), cwd=ROOT,
-                            start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url + "/get_world_size", timeout=2)
-            break
-        except httpx.HTTPError:
-            assert proc.poll() is None, "vLLM server exited"
-            time.sleep(1)
-    yield url, log
-    os.killpg(proc.pid, 9)
-    proc.wait()
-    out.close()
+    with VLLMServer("1", output=log.with_suffix(".out"), requests=log) as url:
+        yield url, log
     print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
     print("vLLM requests:", log.read_text()[-3000:] if log.exists() else "none")
 
