@@ -112,13 +112,15 @@ def vllm_available(tree: pathlib.Path = VLLM_TREE) -> bool:
 class VLLMServer:
     """``with VLLMServer("1", output=..., requests=...) as url: ...``: vLLM's
     weight-sync routes over its real NCCL engine (``.vllm/server.py --nccl``)
-    on one GPU. ``output`` gets its stdout and stderr, ``requests`` one JSON
-    line per request."""
+    on one GPU; with ``sparse=True``, over its ``sparse_nccl`` engine
+    (``vllm_sparse.py``). ``output`` gets its stdout and stderr, ``requests``
+    one JSON line per request."""
 
     def __init__(self, gpu: str, *, output: pathlib.Path, requests: pathlib.Path,
-                 tree: pathlib.Path = VLLM_TREE, start_timeout: float = 180.0):
+                 sparse: bool = False, tree: pathlib.Path = VLLM_TREE,
+                 start_timeout: float = 180.0):
         self.gpu, self.output, self.requests = gpu, output, requests
-        self.tree, self.start_timeout = tree, start_timeout
+        self.sparse, self.tree, self.start_timeout = sparse, tree, start_timeout
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
@@ -128,10 +130,12 @@ class VLLMServer:
             port = s.getsockname()[1]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpu, NCCL_NVLS_ENABLE="0",
                    PYTHONUNBUFFERED="1")
+        cmd = ([sys.executable, "-m", "jax_sender.vllm_sparse", str(self.tree)] if self.sparse
+               else [sys.executable, str(self.tree / "server.py"), "--nccl"])
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(self.tree / "server.py"), "--nccl", "--port", str(port),
-                 "--log", str(self.requests)], env=env, cwd=self.tree.parent,
+                cmd + ["--port", str(port), "--log", str(self.requests)], env=env,
+                cwd=pathlib.Path(__file__).resolve().parent.parent,
                 start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout

@@ -22,7 +22,7 @@ from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo, handshake
 
 from .packer import buffer_pointer
 from .plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
-from .sparse import Patch, apply
+from .sparse import Patch, apply, check_patch
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
 
@@ -110,8 +110,11 @@ class ReferenceWorker:
         return len(metas)
 
     def receive_sparse(self, update: SparseUpdateInfo) -> int:
-        """``sparse_nccl``: per tensor, int32 flat indices then values, written
-        into the stored tensor (zeros if there is none yet)."""
+        """``sparse_nccl``, in vLLM's order: per tensor, int32 flat indices then
+        values (zero-count ones too); then every patch is checked as vLLM's
+        loader checks it (floating dtype, no NaN value, indices in range and
+        unique), and only then written into the stored tensors (zeros if
+        there is none yet)."""
         self._require_init()
         metas = self._metas(update)
         for m in metas:  # before any collective
@@ -119,19 +122,22 @@ class ReferenceWorker:
             if held is not None and TensorMeta.of(m.name, held) != m:
                 raise ValueError(f"sparse patch for {m.name!r} as {m.dtype} {list(m.shape)}, "
                                  f"but the worker holds {held.dtype} {list(held.shape)}")
+        patches = []
         for m, count in zip(metas, update.num_updates_list):
+            indices = _device_zeros((count,), "int32", self.device)
+            values = _device_zeros((count,), m.dtype, self.device)
+            for arr, dt in ((indices, "int32"), (values, m.dtype)):
+                self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
+                                    stream=self._stream, timeout=self.timeout)
+            patches.append(Patch(m.name, m.shape, indices, values))
+        self._wait(f"sparse patches of {len(metas)} tensors")
+        for m, p in zip(metas, patches):
+            check_patch(m, p)
+        for m, p in zip(metas, patches):
             base = self.store.get(m.name)
             if base is None:
                 base = _device_zeros(m.shape, m.dtype, self.device)
-            if count:  # a zero-length broadcast puts nothing on the wire
-                indices = _device_zeros((count,), "int32", self.device)
-                values = _device_zeros((count,), m.dtype, self.device)
-                for arr, dt in ((indices, "int32"), (values, m.dtype)):
-                    self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
-                                        stream=self._stream, timeout=self.timeout)
-                self._wait(f"sparse patch of {m.name}")
-                base = apply(base, Patch(m.name, m.shape, indices, values))
-            self.load_weights([(m.name, base)])
+            self.load_weights([(m.name, apply(base, p))])
         return len(metas)
 
     def _wait(self, what: str) -> None:

@@ -31,7 +31,7 @@ from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
 from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_alignment,
                    check_unique, plan_chunks)
-from .sparse import Patch, count_changed, diff
+from .sparse import Patch, check_sparse, count_changed, diff
 
 log = logging.getLogger("jax_sender")
 
@@ -226,27 +226,32 @@ class WeightSender:
         backend: per tensor, its int32 flat indices then its values.
 
         Exact by default (bits compared, see ``sparse.py``); ``tolerance``
-        skips float changes no larger than it, which is lossy. Counting the
-        changes syncs the host once per tensor; each patch is then built just
-        in time and freed once broadcast.
+        skips float changes no larger than it, which is lossy. Floating tensors
+        only, and no NaN among the changed values: vLLM's loader would refuse
+        either after the transfer, so both are refused here first. Counting
+        the changes syncs the host once per tensor; each patch is then built
+        just in time and freed once broadcast. A tensor with no change is still
+        two zero-count broadcasts, as vLLM's own sparse trainer issues them.
         """
         self._ensure_usable()
         t0 = time.perf_counter()
         metas, sources = self.prepare(params)
         before, old_sources = describe(previous, self.mapping)
         check_against(before, metas)
+        for m in metas:
+            check_sparse(m)
         get_new, get_old = self._getter(metas, sources), self._getter(before, old_sources)
-        counts = [count_changed(get_old(i), get_new(i), tolerance) for i in range(len(metas))]
+        counts = [count_changed(m.name, get_old(i), get_new(i), tolerance)
+                  for i, m in enumerate(metas)]
         update = SparseUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
                                   [list(m.shape) for m in metas], counts)
-        owners = [i for i, n in enumerate(counts) if n]  # zero-length broadcasts are skipped
-        wire = [w for i in owners for w in (
-            TensorMeta(f"{metas[i].name}:indices", "int32", (counts[i],)),
-            TensorMeta(f"{metas[i].name}:values", metas[i].dtype, (counts[i],)))]
+        wire = [w for m, n in zip(metas, counts) for w in (
+            TensorMeta(f"{m.name}:indices", "int32", (n,)),
+            TensorMeta(f"{m.name}:values", m.dtype, (n,)))]
         patches: dict[int, Patch] = {}
 
         def get(j: int) -> jax.Array:
-            i = owners[j // 2]
+            i = j // 2
             if j % 2:
                 return patches.pop(i).values
             patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance)
@@ -254,8 +259,7 @@ class WeightSender:
                 raise MetadataError(f"{metas[i].name!r} changed while it was being sent")
             return patches[i].indices
 
-        largest = max((w.nbytes for w in wire), default=0)
-        timeout = self.timeout or _TIMEOUT_FLOOR + 2 * largest / _SLOW_BYTES_PER_S
+        timeout = self.timeout or _TIMEOUT_FLOOR + 2 * max(w.nbytes for w in wire) / _SLOW_BYTES_PER_S
 
         def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
             b.unpacked(wire, get, 0, timeout=timeout, check=check)

@@ -5,9 +5,14 @@ change in a few places (LoRA merged into a few rows, small learning rates in
 low precision). A patch is the int32 flat row-major indices of the changed
 elements and their new values, which vLLM's sparse worker writes into its
 tensor. "Changed" compares *bits*, not values, so applying the patch to the
-previous weights reproduces the new ones exactly: NaN payloads, -0.0 and +0.0
-included. A ``tolerance`` instead skips float changes no larger than it; the
-result is then lossy, and ``Patch.lossy`` says so.
+previous weights reproduces the new ones exactly, -0.0 and +0.0 included.
+A ``tolerance`` instead skips float changes no larger than it; the result is
+then lossy, and ``Patch.lossy`` says so.
+
+vLLM's sparse loader fills the unchanged positions with NaN and copies the
+rest (NaN marks "keep"), so it takes floating tensors only and refuses a
+patch whose values hold a NaN, after the whole transfer. ``check_sparse``
+and ``count_changed`` refuse both here, before anything is sent.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .plan import MetadataError
+from .plan import MetadataError, TensorMeta
 
 # vLLM's worker receives int32 indices.
 MAX_ELEMENTS = 2**31 - 1
+# Wire dtypes that can hold vLLM's NaN sentinel.
+SPARSE_DTYPES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -40,7 +47,7 @@ class Patch:
 
 
 def _changed(old: jax.Array, new: jax.Array, tolerance: float | None) -> jax.Array:
-    if tolerance is not None and jnp.issubdtype(new.dtype, jnp.floating):
+    if tolerance is not None:
         a, b = old.astype(jnp.float32), new.astype(jnp.float32)
         # NaN compares false: a NaN on either side counts as a change.
         return ~(jnp.abs(b - a) <= tolerance)
@@ -48,9 +55,36 @@ def _changed(old: jax.Array, new: jax.Array, tolerance: float | None) -> jax.Arr
     return jax.lax.bitcast_convert_type(old, bits) != jax.lax.bitcast_convert_type(new, bits)
 
 
-def count_changed(old: jax.Array, new: jax.Array, tolerance: float | None = None) -> int:
+def check_sparse(meta: TensorMeta) -> None:
+    """Refuse a tensor vLLM's sparse worker cannot load, before any collective."""
+    if meta.dtype not in SPARSE_DTYPES:
+        raise MetadataError(
+            f"{meta.name!r} is {meta.dtype}: vLLM's sparse worker takes floating tensors "
+            f"only ({', '.join(SPARSE_DTYPES)}), because NaN marks the elements it keeps. "
+            "Leave it out of the sparse update, or send it with a dense push")
+    if meta.numel > MAX_ELEMENTS:
+        raise MetadataError(f"{meta.name!r} has {meta.numel} elements; vLLM's sparse worker "
+                            "takes int32 indices (at most 2**31 - 1 elements)")
+
+
+def _count(name: str, changed: jax.Array, new: jax.Array) -> int:
+    """Changed elements, refusing a NaN among them (one host sync for both)."""
+    count, nans = (int(x) for x in jax.device_get(jnp.stack([
+        jnp.sum(changed, dtype=jnp.int32),
+        jnp.sum(changed & jnp.isnan(new), dtype=jnp.int32)])))
+    if nans:
+        raise MetadataError(
+            f"{name!r}: {nans} changed elements are NaN, which vLLM's sparse worker refuses "
+            "(NaN marks the elements it keeps), after the whole transfer. Send it with a "
+            "dense push")
+    return count
+
+
+def count_changed(name: str, old: jax.Array, new: jax.Array,
+                  tolerance: float | None = None) -> int:
     """How many elements ``diff`` would put in the patch (one host sync)."""
-    return int(jnp.sum(_changed(old.reshape(-1), new.reshape(-1), tolerance), dtype=jnp.int32))
+    flat_new = new.reshape(-1)
+    return _count(name, _changed(old.reshape(-1), flat_new, tolerance), flat_new)
 
 
 def diff(name: str, old: jax.Array, new: jax.Array, *,
@@ -59,18 +93,28 @@ def diff(name: str, old: jax.Array, new: jax.Array, *,
     if old.shape != new.shape or old.dtype != new.dtype:
         raise MetadataError(f"{name!r}: previous {old.dtype} {old.shape} and new {new.dtype} "
                             f"{new.shape} differ; a sparse patch needs the same layout")
-    if new.size > MAX_ELEMENTS:
-        raise MetadataError(f"{name!r} has {new.size} elements; vLLM's sparse worker takes "
-                            "int32 indices (at most 2**31 - 1 elements)")
+    check_sparse(TensorMeta.of(name, new))
     flat_old, flat_new = old.reshape(-1), new.reshape(-1)
     changed = _changed(flat_old, flat_new, tolerance)
-    count = int(jnp.sum(changed, dtype=jnp.int32))  # one host sync: the patch's size
+    count = _count(name, changed, flat_new)  # one host sync: the patch's size
     indices = jnp.nonzero(changed, size=count)[0].astype(jnp.int32)
     bits = _BITS[new.dtype.itemsize]  # gathered as bits, like ``apply`` scatters
     values = jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(flat_new, bits)[indices], new.dtype)
-    return Patch(name, tuple(new.shape), indices, values,
-                 lossy=tolerance is not None and bool(jnp.issubdtype(new.dtype, jnp.floating)))
+    return Patch(name, tuple(new.shape), indices, values, lossy=tolerance is not None)
+
+
+def check_patch(meta: TensorMeta, patch: Patch) -> None:
+    """What vLLM's sparse loader refuses once the patch has arrived."""
+    if meta.dtype not in SPARSE_DTYPES:
+        raise TypeError(f"{meta.name}: sparse checkpoint patches require a floating dtype "
+                        "because NaN is the unchanged-value sentinel")
+    idx = patch.indices
+    bad = jnp.any(jnp.isnan(patch.values)) | jnp.any((idx < 0) | (idx >= meta.numel))
+    ordered = jnp.sort(idx)
+    if bool(bad | jnp.any(ordered[1:] == ordered[:-1])):
+        raise ValueError("Sparse checkpoint patches contain NaN values, out-of-range "
+                         "indices, or duplicate indices")
 
 
 def apply(base: jax.Array, patch: Patch) -> jax.Array:

@@ -332,34 +332,48 @@ def load_plan(url: str) -> None:
     print("OK load plan: subset bit-exact, outside tensors refused by sender and worker")
 
 
-def sparse() -> None:
-    """sparse_nccl: patches against the previous weights; bit-exact like a dense push."""
+def sparse(url: str) -> None:
+    """sparse_nccl at ``url``: patches against the previous weights, bit-exact
+    like a dense push; unchanged tensors are zero-count broadcasts; what vLLM's
+    loader would refuse after the transfer is refused before it."""
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
-    with ReferenceServer(["1"], backend="sparse_nccl") as url:
-        sender = WeightSender.connect(url, packed=False)
-        v0 = _test_tensors(3)
-        zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
-        first = sender.send_sparse(v0, zeros)  # the reference worker starts from zeros
-        client = sender.clients[0]
-        assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
-        key = jax.random.PRNGKey(9)
-        v1 = []
-        for n, a in v0:  # change ~1% of the elements of every tensor
-            key, k = jax.random.split(key)
-            mask = jax.random.uniform(k, a.shape) < 0.01
-            v1.append((n, jnp.where(mask, (a.astype(jnp.float32) + 1).astype(a.dtype), a)))
-        second = sender.send_sparse(v1, v0)
-        ans = client.weight_checker("compare", baseline=_checksums(v1, 1))
-        assert ans["match"], ans["mismatches"][:5]
-        dense = sum(a.nbytes for _, a in v1)
-        assert second.bytes < dense / 10, (second.bytes, dense)
-        sender.close()
+    from jax_sender import MetadataError, WeightSender
+    sender = WeightSender.connect(url, packed=False)
+    client = sender.clients[0]
+    v0 = [(n, a) for n, a in _test_tensors(3) if jnp.issubdtype(a.dtype, jnp.floating)]
+    zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
+    first = sender.send_sparse(v0, zeros)  # both receivers start from zeros
+    assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
+    key = jax.random.PRNGKey(9)
+    v1 = []
+    for n, a in v0:  # ~1% of the elements of the large tensors; none of "b.tail"
+        key, k = jax.random.split(key)
+        mask = (jax.random.uniform(k, a.shape) < 0.01) & (n != "b.tail")
+        v1.append((n, jnp.where(mask, (a.astype(jnp.float32) + 1).astype(a.dtype), a)))
+    second = sender.send_sparse(v1, v0)
+    ans = client.weight_checker("compare", baseline=_checksums(v1, 1))
+    assert ans["match"], ans["mismatches"][:5]
+    dense = sum(a.nbytes for _, a in v1)
+    assert second.bytes < dense / 10, (second.bytes, dense)
+    fp16 = dict(v1)["a.fp16"]
+    for name, old, new, why in [
+            ("a.i32", jnp.zeros(3, jnp.int32), jnp.arange(3, dtype=jnp.int32),
+             "floating tensors only"),
+            ("a.fp16", fp16, fp16.at[0].set(jnp.nan), "are NaN")]:
+        try:
+            sender.send_sparse([(name, new)], [(name, old)])
+        except MetadataError as e:
+            assert why in str(e), e
+        else:
+            raise AssertionError(f"sent a sparse update vLLM would refuse: {why}")
+    assert not sender.broken  # refused up front: the group is intact
+    third = sender.send_sparse(v0, v1)
+    assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
+    sender.close()
     print(f"OK sparse: first push {first.bytes} B, 1% push {second.bytes} B "
-          f"(dense {dense} B), both bit-exact")
+          f"(dense {dense} B), back {third.bytes} B, all bit-exact; int and NaN refused first")
 
 
 def servers(mode: str, *urls: str) -> None:

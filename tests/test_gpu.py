@@ -123,7 +123,8 @@ def test_load_plan_subsets_pass_and_strangers_are_refused():
 
 
 def test_sparse_patches_are_bit_exact():
-    print(run("sparse", timeout=180))
+    with ReferenceServer(["1"], backend="sparse_nccl") as url:
+        print(run("sparse", url, timeout=180))
 
 
 def test_demo_runs():
@@ -154,3 +155,15 @@ def test_send_to_vllm_0_33(vllm_server, mode):
 
 def test_vllm_refusal_during_init_raises_fast(vllm_server):
     run("vllm_refused", vllm_server[0], timeout=120)
+
+
+def test_sparse_into_vllms_sparse_engine(tmp_path):
+    """vLLM 0.33.0's ``SparseNCCLWeightTransferEngine`` and NaN-masked loader."""
+    if not vllm_available():
+        pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
+    log = tmp_path / "requests.jsonl"
+    try:
+        with VLLMServer("1", output=log.with_suffix(".out"), requests=log, sparse=True) as url:
+            print(run("sparse", url, timeout=240))
+    finally:
+        print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])

@@ -1,4 +1,5 @@
-"""Sparse patches: bit-exact against a dense push, lossy only when asked (no GPU)."""
+"""Sparse patches: bit-exact against a dense push, lossy only when asked, and
+nothing vLLM's sparse loader would refuse after the transfer (no GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,22 +9,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_sender import MetadataError
-from jax_sender.sparse import apply, count_changed, diff
+from jax_sender.plan import TensorMeta
+from jax_sender.sparse import SPARSE_DTYPES, Patch, apply, check_patch, count_changed, diff
 from uniqueid import SparseUpdateInfo
 
 DTYPES = {"bfloat16": (jnp.bfloat16, np.uint16), "float16": (jnp.float16, np.uint16),
-          "float32": (jnp.float32, np.uint32), "float8_e4m3fn": (jnp.float8_e4m3fn, np.uint8),
-          "int8": (jnp.int8, np.uint8), "int32": (jnp.int32, np.uint32)}
+          "float32": (jnp.float32, np.uint32), "float64": (jnp.float64, np.uint64),
+          "float8_e4m3fn": (jnp.float8_e4m3fn, np.uint8)}
 
 
 def _from_bits(bits: np.ndarray, dtype) -> jax.Array:
     return jnp.asarray(bits.view(np.dtype(dtype)))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(sorted(DTYPES)), st.sampled_from([1, 7, 96, 300]), st.data())
+def test_every_sparse_dtype_is_covered():
+    assert sorted(DTYPES) == sorted(SPARSE_DTYPES)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([d for d in sorted(DTYPES)  # float64 needs jax_enable_x64
+                        if d != "float64" or jax.config.jax_enable_x64]),
+       st.sampled_from([1, 7, 96, 300]), st.data())
 def test_patch_reproduces_every_bit(dtype_name, n, data):
-    """Random bit patterns (NaN payloads, -0.0, infinities included), random changes."""
+    """Random bit patterns (NaN payloads, -0.0, infinities included), random
+    changes: exact, or refused up front when a changed value is NaN."""
     dtype, bits = DTYPES[dtype_name]
     width = np.iinfo(bits).max
     old_bits = np.array(data.draw(st.lists(st.integers(0, width), min_size=n, max_size=n)),
@@ -34,30 +43,55 @@ def test_patch_reproduces_every_bit(dtype_name, n, data):
     shape = (n,) if n % 3 else (3, n // 3)
     old = _from_bits(old_bits, dtype).reshape(shape)
     new = _from_bits(new_bits, dtype).reshape(shape)
+    changed = old_bits != new_bits
+    if np.isnan(new_bits.view(np.dtype(dtype)).astype(np.float32))[changed].any():
+        with pytest.raises(MetadataError, match="NaN"):
+            count_changed("w", old, new)
+        with pytest.raises(MetadataError, match="NaN"):
+            diff("w", old, new)
+        return
     patch = diff("w", old, new)
     assert patch.indices.dtype == jnp.int32 and patch.values.dtype == new.dtype
-    assert patch.count == count_changed(old, new) == int(np.sum(old_bits != new_bits))
-    assert sorted(np.asarray(patch.indices).tolist()) == np.flatnonzero(old_bits != new_bits).tolist()
+    assert patch.count == count_changed("w", old, new) == int(np.sum(changed))
+    assert sorted(np.asarray(patch.indices).tolist()) == np.flatnonzero(changed).tolist()
+    check_patch(TensorMeta.of("w", new), patch)  # what vLLM's loader would accept
     out = apply(old, patch)
     assert np.array_equal(np.asarray(out).view(bits), np.asarray(new).view(bits))
     assert not patch.lossy
 
 
-def test_signed_zero_and_nan_payloads_count_as_changes():
+def test_signed_zero_counts_and_unchanged_nan_stays():
     old = jnp.array([0.0, np.nan, 1.0], jnp.float32)
-    new = jnp.asarray(np.array([0x80000000, 0x7FC00001, 0x3F800000], np.uint32).view(np.float32))
+    new = jnp.asarray(np.array([0x80000000, 0x7FC00000, 0x3F800001], np.uint32).view(np.float32))
     patch = diff("w", old, new)
-    assert np.asarray(patch.indices).tolist() == [0, 1]
+    assert np.asarray(patch.indices).tolist() == [0, 2]
     assert np.array_equal(np.asarray(apply(old, patch)).view(np.uint32),
                           np.asarray(new).view(np.uint32))
 
 
+def test_what_vllms_sparse_loader_refuses_is_refused_first():
+    """Integers cannot hold the NaN sentinel; a NaN value reads as "keep"."""
+    with pytest.raises(MetadataError, match="floating tensors only"):
+        diff("i", jnp.zeros(3, jnp.int8), jnp.ones(3, jnp.int8))
+    with pytest.raises(MetadataError, match="1 changed elements are NaN"):
+        diff("w", jnp.zeros(3, jnp.bfloat16), jnp.array([0, np.nan, 0], jnp.bfloat16))
+    meta = TensorMeta("w", "float32", (4,))
+    good = Patch("w", (4,), jnp.array([3, 0], jnp.int32), jnp.ones(2, jnp.float32))
+    check_patch(meta, good)
+    for indices, values in [([1, 1], [1.0, 2.0]), ([4], [1.0]), ([-1], [1.0]),
+                            ([2], [np.nan])]:
+        bad = Patch("w", (4,), jnp.array(indices, jnp.int32), jnp.array(values, jnp.float32))
+        with pytest.raises(ValueError, match="NaN values, out-of-range indices, or duplicate"):
+            check_patch(meta, bad)
+    with pytest.raises(TypeError, match="floating dtype"):
+        check_patch(TensorMeta("i", "int32", (4,)), good)
+
+
 def test_tolerance_is_lossy_and_says_so():
     old = jnp.zeros(6, jnp.bfloat16)
-    new = jnp.array([0, 1e-4, -1e-4, 0.5, np.nan, -2], jnp.bfloat16)
+    new = jnp.array([0, 1e-4, -1e-4, 0.5, -2, 5e-4], jnp.bfloat16)
     patch = diff("w", old, new, tolerance=1e-3)
-    assert patch.lossy and np.asarray(patch.indices).tolist() == [3, 4, 5]
-    assert diff("i", jnp.zeros(3, jnp.int8), jnp.ones(3, jnp.int8), tolerance=5).lossy is False
+    assert patch.lossy and np.asarray(patch.indices).tolist() == [3, 4]
 
 
 def test_sizes_and_refusals():

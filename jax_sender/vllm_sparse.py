@@ -1,0 +1,54 @@
+"""vLLM 0.33.0's real ``sparse_nccl`` receiver behind its real routes, for
+tests and benchmarks: ``python -m jax_sender.vllm_sparse TREE --port P --log F``.
+
+It is ``TREE/server.py --nccl`` (see the README) with the worker engine
+swapped for ``SparseNCCLWeightTransferEngine`` (so the broadcasts, the patch
+checks and the NaN-masked load are vLLM's own code) and a toy model whose
+``load_weights`` ends in the same-shaped ``copy_`` that vLLM's sparse loader
+requires, into tensors that start at zero. Needs torch and vLLM's tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tree")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--log", required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, args.tree)
+    import shim  # the tree's: lets vLLM's NCCL code run on this image
+    shim.load()
+    spec = importlib.util.spec_from_file_location("vllm_server", f"{args.tree}/server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+
+    import torch
+    import uvicorn
+    from vllm.distributed.weight_transfer import nccl_engine
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import (
+        SparseNCCLWeightTransferEngine)
+
+    # build_app subclasses whatever this name holds when it runs.
+    nccl_engine.NCCLWeightTransferEngine = SparseNCCLWeightTransferEngine
+    app, model = server.build_app(argparse.Namespace(nccl=True, world_size=1, log=args.log))
+
+    def load_weights(pairs) -> None:
+        for name, t in pairs:
+            held = model.store.get(name)
+            if held is None:
+                held = model.store[name] = torch.zeros_like(t)
+            held.copy_(t)  # vLLM swaps in its NaN-keeping copy here
+            model.loads += 1
+
+    model.load_weights = load_weights
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
