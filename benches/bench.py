@@ -1,6 +1,6 @@
 """Weight-push throughput, latency and memory, next to baselines measured in the same run.
 
-    python benches/bench.py [--reps 5] [--quick]      # on a machine with >= 2 GPUs
+    python benches/bench.py [--reps 5] [--quick] [--only sparse]  # >= 2 GPUs
     python benches/bench.py --plot results/bench.json  # redraw the plot elsewhere
 
 GPU 0 is the trainer, GPU 1 the receiver. Rows:
@@ -12,7 +12,10 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
 - ``send`` of the workloads into vLLM 0.33.0's own consumer
   (``.vllm/server.py --nccl``), packed and unpacked, next to vLLM's own torch
   sender (``NCCLTrainerWeightTransferEngine``) pushing the same tensors into
-  the same server; a buffer-size sweep; ``many-small``; ``large``.
+  the same server; a buffer-size sweep; ``many-small``; ``large``;
+- ``send_sparse`` of ``qwen3-8b`` with 1%, 10% and 50% of the elements
+  changed into vLLM's own ``sparse_nccl`` engine (``jax_sender.vllm_sparse``),
+  next to the dense sends above.
 
 Send time is what the issue asks for: from posting ``/update_weights`` (the
 broadcasts start at once) to its answer, i.e. every worker holding every
@@ -176,6 +179,28 @@ def role_jax(url: str, jobs: str) -> None:
     sender.close()
 
 
+def role_sparse(url: str, fractions: str, reps: str) -> None:
+    """``send_sparse`` of ``qwen3-8b`` with a fraction of each tensor's elements changed."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sender import WeightSender
+    spec = workload("qwen3-8b")
+    keys = jax.random.split(jax.random.PRNGKey(0), len(spec))
+    old = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(spec, keys)]
+    sender = WeightSender.connect(url, packed=False)
+    bump = jax.jit(lambda a, k, f: jnp.where(jax.random.uniform(k, a.shape) < f, a + 1, a))
+    for f in json.loads(fractions):
+        new = None  # free the previous fraction's copy first
+        new = [(n, bump(a, k, f)) for (n, a), k in zip(old, keys)]
+        stats = [sender.send_sparse(new, old) for _ in range(int(reps) + 1)][1:]
+        _emit(dict(fraction=f, transfer=[x.transfer_s for x in stats],
+                   total=[x.total_s for x in stats], prepare=[x.prepare_s for x in stats],
+                   bytes=stats[0].bytes, dense=sum(a.nbytes for _, a in new),
+                   tensors=stats[0].tensors))
+    sender.close()
+
+
 def role_torch(url: str, jobs: str) -> None:
     """vLLM 0.33.0's own trainer engine (torch), same workloads, same server."""
     from functools import cached_property
@@ -305,13 +330,31 @@ def _job(workload_: str, mode: str, reps: int, buffer: int = GiB, nbuf: int = 2)
     return dict(workload=workload_, mode=mode, buffer=buffer, nbuf=nbuf, reps=reps)
 
 
-def run(reps: int, quick: bool) -> dict:
+SPARSE_FRACTIONS = [0.01, 0.1, 0.5]
+
+
+def run(reps: int, quick: bool, only: str | None = None) -> dict:
     """Every stage's figures are saved as soon as they exist."""
     from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
     data["raw"] = _pair("role_raw", _uid(), str(reps))[0][0]
     vllm = vllm_available()
+    if only != "sparse":
+        _dense(data, reps, quick, vllm, save)
+    server = (VLLMServer("1", output=OUT / "vllm_sparse_server.log",
+                         requests=pathlib.Path("/tmp/bench_vllm_sparse.jsonl"), sparse=True)
+              if vllm else ReferenceServer(["1"], backend="sparse_nccl"))
+    with server as url:
+        data["sparse_target"] = ("vLLM 0.33.0 sparse_nccl engine" if vllm
+                                 else "reference receiver, sparse_nccl")
+        data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
+    save()
+    return data
+
+
+def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
+    from jax_sender.harness import ReferenceServer, VLLMServer
     data["init"] = _init_latency(reps, vllm)
     save()
     main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
@@ -332,7 +375,6 @@ def run(reps: int, quick: bool) -> dict:
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 data["torch_error"] = str(e)[-3000:]  # the table still prints our rows
             save()
-    return data
 
 
 # -- report ----------------------------------------------------------------------
@@ -346,13 +388,43 @@ def _row(name: str, nbytes: int, times: list[float], base: float | None, note: s
 
 def report(data: dict) -> str:
     raw = GiB / statistics.median(data["raw"]) / 1e9
-    target = data["target"]
-    lines = [f"Receiver: {target}, GPU 1; sender GPU 0; {data['reps']} timed repetitions "
-             "after one warm-up.", "",
+    lines = [f"Sender GPU 0, receiver GPU 1; {data['reps']} timed repetitions after one "
+             "warm-up.", "",
              "| figure | median s | best s | median GB/s | ratio | notes |",
              "| --- | --- | --- | --- | --- | --- |",
              _row("raw ncclBroadcast 1 GiB, 2 ranks (baseline)", GiB, data["raw"], raw,
                   "10 back-to-back broadcasts per repetition")]
+    if "ours" in data:
+        lines += _dense_report(data, raw)
+    if "sparse" in data:
+        lines += _sparse_report(data)
+    return "\n".join(lines)
+
+
+def _sparse_report(data: dict) -> list[str]:
+    dense = next((j for j in data.get("ours", []) if (j["workload"], j["mode"], j["buffer"],
+                  j["nbuf"]) == ("qwen3-8b", "packed", GiB, 2)), None)
+    dense_s = statistics.median(dense["transfer"]) if dense else None
+    lines = ["", f"Sparse: `send_sparse` of qwen3-8b into {data['sparse_target']}; the dense "
+             "column is the packed send above, into vLLM's dense engine, same run.", "",
+             "| changed | wire GB | dense GB | wire / dense | median s | best s | "
+             "with counting s | dense send s | time / dense |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for j in data["sparse"]:
+        med = statistics.median(j["transfer"])
+        lines.append(
+            f"| {j['fraction']:.0%} | {j['bytes'] / 1e9:.2f} | {j['dense'] / 1e9:.2f} | "
+            f"{j['bytes'] / j['dense']:.2f} | {med:.3f} | {min(j['transfer']):.3f} | "
+            f"{statistics.median(j['total']):.3f} | "
+            + (f"{dense_s:.3f} | {med / dense_s:.2f} |" if dense_s else " | |"))
+    return lines
+
+
+def _dense_report(data: dict, raw: float) -> list[str]:
+    target = data["target"]
+    lines = ["", f"Receiver: {target}.", "",
+             "| figure | median s | best s | median GB/s | ratio | notes |",
+             "| --- | --- | --- | --- | --- | --- |"]
     torch_rows = {(j["workload"], j["mode"]): j for j in data.get("torch", [])}
     for j in data["ours"]:
         default = (j["buffer"], j["nbuf"]) == (GiB, 2)
@@ -397,7 +469,7 @@ def report(data: dict) -> str:
             best = j["bytes"] / min(j["transfer"]) / 1e9
             lines.append(f"| {j['buffer'] // MiB} MiB | {j['nbuf']} | {med:.1f} | {best:.1f} | "
                          f"{med / raw:.2f} | {j['held'] / GiB:.2f} |")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(data: dict, path: pathlib.Path) -> bool:
@@ -406,6 +478,8 @@ def plot(data: dict, path: pathlib.Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return False
+    if "ours" not in data:
         return False
     raw = GiB / statistics.median(data["raw"]) / 1e9
     sweep = [j for j in data["ours"] if j["workload"] == "qwen3-8b" and j["mode"] == "packed"]
@@ -432,6 +506,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
+    ap.add_argument("--only", choices=["sparse"], help="the raw baseline and this stage only")
     ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
     ap.add_argument("--out", default=str(OUT), help="results folder (default: results/)")
     args = ap.parse_args()
@@ -440,7 +515,7 @@ def main() -> None:
     if args.plot:
         data = json.loads(pathlib.Path(args.plot).read_text())
     else:
-        data = run(args.reps, args.quick)
+        data = run(args.reps, args.quick, args.only)
     table = report(data)
     (OUT / "bench.md").write_text(table + "\n")
     print(table)
