@@ -207,3 +207,19 @@ class Broadcaster:
                          timeout, check)
         self.drain(timeout, check)
 
+
+    def discard(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk] | None, root: int,
+                *, timeout: float | None, check: Check) -> None:
+        """Take part in another trainer rank's turn: receive its chunks (or, with
+        ``chunks=None``, its tensors, each in its own dtype) into scratch bytes
+        and drop them. Every group member must join each broadcast."""
+        self.started, self.host_s = 0.0, 0.0
+        parts = ([(c.nbytes, "uint8") for c in chunks] if chunks is not None
+                 else [(m.numel, m.dtype) for m in metas])
+        self.arena.ensure(max((c.nbytes for c in chunks) if chunks is not None
+                              else (m.nbytes for m in metas), default=0))
+        for count, dtype in parts:
+            while len(self._inflight) >= self.num_buffers:
+                self._retire_oldest(timeout, check)
+            self._launch(self.arena.ptr, count, dtype, root, None, [], timeout, check)
+        self.drain(timeout, check)

@@ -46,7 +46,7 @@ class ReferenceWorker:
         self.comm: Communicator | None = None
         self.info: InitInfo | None = None
         self.plan: LoadPlan | None = None  # with use_load_plan: the manifest from init
-        self._last: UpdateInfo | None = None
+        self._last: dict[int, UpdateInfo] = {}  # per src: what an empty update reuses
         self._stream: cuda.Stream | None = None
 
     def _store(self, pairs: Iterable[tuple[str, jax.Array]]) -> None:
@@ -64,7 +64,7 @@ class ReferenceWorker:
                               timeout=self.timeout)
         self.info = info
         self.plan = plan
-        self._last = None
+        self._last = {}
         self._stream = cuda.Stream(self.ordinal)
 
     def shutdown(self) -> None:
@@ -97,12 +97,12 @@ class ReferenceWorker:
         if not 0 <= update.src < self.info.rank_offset:
             raise ValueError(f"NCCL update src must be a sender rank in "
                              f"[0, {self.info.rank_offset}), got {update.src!r}.")
-        if not update.names and self._last is not None:
-            update = self._last
+        if not update.names and update.src in self._last:
+            update = self._last[update.src]
         metas = self._metas(update)
         if self.plan is not None:
             self.plan.check(metas)  # before any collective, like vLLM's worker
-        self._last = update  # only once accepted (vLLM keeps a refused one too)
+        self._last[update.src] = update  # only once accepted (vLLM keeps a refused one too)
         if self.info.packed:
             self._receive_packed(metas, update.src)
         else:

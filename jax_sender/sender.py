@@ -24,9 +24,13 @@ from typing import Any
 
 import jax
 
-from uniqueid import Connection, VLLMClient, connect, in_background
+from nccl_cffi import DEFAULT_INIT_TIMEOUT
+from uniqueid import Connection, InitInfo, VLLMClient, connect, in_background
+from uniqueid.rendezvous import _as_clients
 from uniqueid.wire import SparseUpdateInfo, UpdateInfo
 
+from .group import (BroadcastPlan, Share, TrainerGroup, Turn, broadcast_plan, gather,
+                    join_gathers, owners_of, ready, share_from_process_0)
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
 from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_alignment,
@@ -34,6 +38,8 @@ from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_ali
 from .sparse import Patch, check_sparse, count_changed, diff
 
 log = logging.getLogger("jax_sender")
+
+BroadcastFn = Callable[[Broadcaster, Callable[[], None]], None]
 
 # Deadline per wait: a floor, plus the time the bytes take at a slow 1 GB/s.
 _TIMEOUT_FLOOR = 60.0
@@ -100,6 +106,10 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tupl
     return metas, sources
 
 
+def _first_gpu() -> int:
+    return jax.local_devices(backend="gpu")[0].local_hardware_id
+
+
 def _jax_device(ordinal: int) -> jax.Device:
     for d in jax.local_devices():
         if d.platform == "gpu" and d.local_hardware_id == ordinal:
@@ -115,16 +125,17 @@ class WeightSender:
     which the workers received, so the two sides cannot disagree.
     """
 
-    def __init__(self, connection: Connection, *, mapping: Mapping = Mapping(),
+    def __init__(self, connection: Connection | None, *, mapping: Mapping = Mapping(),
                  timeout: float | None = None, reconnect_timeout: float = 300.0,
-                 load_plan: LoadPlan | None = None):
+                 load_plan: LoadPlan | None = None, group: TrainerGroup | None = None):
         self.connection = connection
         self.mapping = mapping
         self.load_plan = load_plan
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
-        self.device = _jax_device(connection.device)
-        self._sent: list[TensorMeta] | None = None
+        self.group = group
+        self.device = _jax_device(connection.device if connection else group.device)
+        self._sent: dict[int, list[TensorMeta]] = {}  # per src: what the workers hold as metadata
         self._broadcaster: Broadcaster | None = None
         self.broken: str = ""
 
@@ -140,7 +151,7 @@ class WeightSender:
         must then be a subset of it, checked before any HTTP call. Off by default.
         """
         if device is None:
-            device = jax.local_devices(backend="gpu")[0].local_hardware_id
+            device = _first_gpu()
         plan = None
         if load_plan is not None:
             plan = LoadPlan(describe(load_plan, mapping)[0])
@@ -148,13 +159,35 @@ class WeightSender:
         return cls(connect(servers, device=device, **connect_kwargs), mapping=mapping,
                    load_plan=plan)
 
+    @classmethod
+    def connect_group(cls, servers: str | VLLMClient | Sequence[str | VLLMClient], params: Any,
+                      *, device: int | None = None, mapping: Mapping = Mapping(),
+                      share: Share = share_from_process_0, timeout: float = DEFAULT_INIT_TIMEOUT,
+                      **connect_kwargs: Any) -> "WeightSender":
+        """Every trainer process of a multi-host JAX job calls this, with the
+        same ``params`` (global arrays) and arguments: each parameter is sent
+        by its first owner (see ``group.py``). Process 0 talks to the servers
+        and shares the unique id and world size through ``share`` (default:
+        JAX's own broadcast between processes); the other broadcasters join
+        as group ranks 1..; the rest hold no communicator. ``servers`` is read
+        on process 0 only. Later sends must keep the same broadcasters."""
+        if device is None:
+            device = _first_gpu()
+        metas, sources = describe(params, mapping)
+        plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
+        process = jax.process_index()
+        group = TrainerGroup(plan, process, device, share,
+                             _as_clients(servers) if process == 0 else [], connect_kwargs,
+                             timeout)
+        return cls(group.form(), mapping=mapping, group=group)
+
     @property
-    def info(self):
-        return self.connection.init_info
+    def info(self) -> InitInfo:
+        return self.connection.init_info if self.connection else self.group.init_info
 
     @property
     def clients(self) -> list[VLLMClient]:
-        return self.connection.clients
+        return self.connection.clients if self.connection else []
 
     # -- preparation (no collective, no HTTP) ----------------------------
     def prepare(self, params: Any) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
@@ -166,6 +199,9 @@ class WeightSender:
 
     def _materialize(self, path: Any, arr: Any) -> jax.Array:
         """The transformed array on the sender's device, ready to be read."""
+        if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
+            # with this parameter's other owners (processes)
+            arr = ready(gather(arr), self.timeout or _TIMEOUT_FLOOR, f"the gather of {path}")
         if not isinstance(arr, jax.Array) or arr.sharding.device_set != {self.device}:
             # Sharded or elsewhere: gather to this device (costs one full copy).
             arr = jax.device_put(arr, self.device)
@@ -176,6 +212,18 @@ class WeightSender:
             out = jax.device_put(out, self.device)
         return out.block_until_ready()
 
+    def _plan(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]) -> BroadcastPlan:
+        """One turn for a single process; the group's turns, unchanged since connect."""
+        if self.group is None:
+            return BroadcastPlan((0,), (Turn(0, 0, tuple(range(len(metas)))),))
+        plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
+        if plan.group != self.group.plan.group:
+            raise MetadataError(
+                f"these arrays are broadcast by processes {list(plan.group)}, but the group "
+                f"was formed with {list(self.group.plan.group)}: call reconnect() on every "
+                "process with the new layout")
+        return plan
+
     # -- the push ------------------------------------------------------
     def send(self, params: Any, *, weight_version: str | None = None,
              metadata: Sequence[TensorMeta] | None = None, pause: str | None = None) -> SendStats:
@@ -183,39 +231,60 @@ class WeightSender:
 
         ``metadata``: what the caller declared; checked against the arrays
         before anything is sent. ``pause``: ``"abort"``/``"wait"``/``"keep"``
-        pauses generation for the push and resumes it after.
+        pauses generation for the push and resumes it after. In a group
+        (``connect_group``) every process calls it with the same arguments.
         """
         self._ensure_usable()
         t0 = time.perf_counter()
         metas, sources = self.prepare(params)
         if metadata is not None:
             check_against(list(metadata), metas)
+        plan = self._plan(metas, sources)
         info = self.info
-        chunks = plan_chunks(metas, info.packed_buffer_size_bytes) if info.packed else []
-        check_alignment(metas, chunks)
+        turns = []
+        for turn in plan.turns:
+            sub = [metas[i] for i in turn.params]
+            chunks = plan_chunks(sub, info.packed_buffer_size_bytes) if info.packed else []
+            check_alignment(sub, chunks)
+            turns.append((turn, sub, chunks))
         nbytes = sum(m.nbytes for m in metas)
         largest = max(m.nbytes for m in metas)
         timeout = self.timeout or _TIMEOUT_FLOOR + (
             (info.packed_buffer_size_bytes if info.packed else largest) + largest
         ) / _SLOW_BYTES_PER_S
-        reuse = metas == self._sent
-        update = UpdateInfo() if reuse else UpdateInfo(
-            names=[m.name for m in metas], dtype_names=[m.dtype for m in metas],
-            shapes=[list(m.shape) for m in metas])
+        n_chunks = sum(len(c) if info.packed else len(sub) for _, sub, c in turns)
         get = self._getter(metas, sources)
+        if self.connection is None:  # outside the transfer group: only the gathers
+            join_gathers(plan, [a for _, a in sources], self.group.process, timeout)
+            return SendStats(nbytes, len(metas), n_chunks, info.packed, False,
+                             time.perf_counter() - t0, 0.0, 0.0, 0.0)
+        rank = self.group.rank if self.group else 0
+        rounds = []
+        for turn, sub, chunks in turns:
+            reuse = sub == self._sent.get(turn.src)
+            update = UpdateInfo(src=turn.src) if reuse else UpdateInfo(
+                names=[m.name for m in sub], dtype_names=[m.dtype for m in sub],
+                shapes=[list(m.shape) for m in sub], src=turn.src)
 
-        def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
-            if info.packed:
-                b.packed(metas, chunks, get, 0, timeout=timeout, check=check)
-            else:
-                b.unpacked(metas, get, 0, timeout=timeout, check=check)
+            def broadcast(b: Broadcaster, check: Callable[[], None], turn: Turn = turn,
+                          sub: list[TensorMeta] = sub, chunks: list = chunks) -> None:
+                if turn.src != rank:
+                    b.discard(sub, chunks if info.packed else None, turn.src,
+                              timeout=timeout, check=check)
+                    return
+                mine = lambda j: get(turn.params[j])  # noqa: E731
+                if info.packed:
+                    b.packed(sub, chunks, mine, turn.src, timeout=timeout, check=check)
+                else:
+                    b.unpacked(sub, mine, turn.src, timeout=timeout, check=check)
 
+            rounds.append((update.to_payload(), broadcast))
         t1 = time.perf_counter()
-        phases = self._round(update.to_payload(), broadcast, timeout,
-                             timeout * max(len(chunks), 1) + 60, weight_version, pause)
-        self._sent = metas
-        stats = SendStats(nbytes, len(metas), len(chunks) if info.packed else len(metas),
-                          info.packed, reuse, t1 - t0, *phases)
+        phases = self._round(rounds, timeout, timeout * max(n_chunks, 1) + 60,
+                             weight_version, pause)
+        self._sent = {turn.src: sub for turn, sub, _ in turns}
+        stats = SendStats(nbytes, len(metas), n_chunks, info.packed,
+                          all(not u["names"] for u, _ in rounds), t1 - t0, *phases)
         log.info("sent %s", stats)
         return stats
 
@@ -234,6 +303,9 @@ class WeightSender:
         two zero-count broadcasts, as vLLM's own sparse trainer issues them.
         """
         self._ensure_usable()
+        if self.group is not None:
+            raise MetadataError("vLLM's sparse engine takes patches from trainer rank 0 only: "
+                                "send_sparse needs a single-process sender (connect)")
         t0 = time.perf_counter()
         metas, sources = self.prepare(params)
         before, old_sources = describe(previous, self.mapping)
@@ -265,9 +337,9 @@ class WeightSender:
             b.unpacked(wire, get, 0, timeout=timeout, check=check)
 
         t1 = time.perf_counter()
-        phases = self._round(update.to_payload(), broadcast, timeout, timeout + 60,
+        phases = self._round([(update.to_payload(), broadcast)], timeout, timeout + 60,
                              weight_version, pause)
-        self._sent = None
+        self._sent = {}
         stats = SendStats(sum(w.nbytes for w in wire), len(metas), len(wire), False, False,
                           t1 - t0, *phases)
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
@@ -295,12 +367,12 @@ class WeightSender:
 
         return get
 
-    def _round(self, payload: dict[str, Any],
-               broadcast: Callable[[Broadcaster, Callable[[], None]], None], timeout: float,
+    def _round(self, rounds: list[tuple[dict[str, Any], BroadcastFn]], timeout: float,
                http_timeout: float, weight_version: str | None,
                pause: str | None) -> tuple[float, float, float, float, float]:
-        """Pause, start, update (with the broadcasts), finish, resume. Returns the
-        start, transfer and finish times, and the broadcasts' span and host time."""
+        """Pause, start, per turn an update with its broadcasts, finish, resume.
+        Returns the start, transfer and finish times, and the broadcasts' span
+        and host time. (Only process 0 has clients: the others just broadcast.)"""
         if pause:
             for c in self.clients:
                 c.pause(pause)
@@ -309,7 +381,8 @@ class WeightSender:
             for c in self.clients:
                 c.start_weight_update()
             t2 = time.perf_counter()
-            broadcast_s, host_s = self._transfer(payload, broadcast, timeout, http_timeout)
+            spans = [self._transfer(payload, broadcast, timeout, http_timeout)
+                     for payload, broadcast in rounds]
             t3 = time.perf_counter()
             for c in self.clients:
                 c.finish_weight_update(weight_version)
@@ -318,10 +391,9 @@ class WeightSender:
             if pause:
                 for c in self.clients:
                     c.resume()
-        return t2 - t1, t3 - t2, t4 - t3, broadcast_s, host_s
+        return t2 - t1, t3 - t2, t4 - t3, sum(b for b, _ in spans), sum(h for _, h in spans)
 
-    def _transfer(self, payload: dict[str, Any],
-                  broadcast: Callable[[Broadcaster, Callable[[], None]], None], timeout: float,
+    def _transfer(self, payload: dict[str, Any], broadcast: BroadcastFn, timeout: float,
                   http_timeout: float) -> tuple[float, float]:
         """Broadcast while the workers receive in ``/update_weights``; returns
         the broadcasts' own span and the host's packing time, to tell them
@@ -363,28 +435,37 @@ class WeightSender:
     def _fail(self, exc: BaseException) -> None:
         self.broken = f"{type(exc).__name__}: {exc}"
         self.connection.comm.abort(f"send failed: {type(exc).__name__}")
-        self._sent = None
+        self._sent = {}
 
     # -- lifecycle ------------------------------------------------------
     def reconnect(self, **connect_kwargs: Any) -> None:
-        """Shut the servers' engines down, mint a new id and form the group again."""
+        """Shut the servers' engines down, mint a new id and form the group again.
+        In a group, every process calls it together."""
         old = self.connection
         self._drop_broadcaster()
-        old.close(shutdown_servers=True)
-        i = old.init_info
-        kwargs = dict(packed=i.packed,
-                      packed_buffer_size_bytes=i.packed_buffer_size_bytes,
-                      packed_num_buffers=i.packed_num_buffers, use_load_plan=i.use_load_plan,
-                      metadata=i.metadata, timeout=self.reconnect_timeout)
-        kwargs.update(connect_kwargs)
-        self.connection = connect(old.clients, device=old.device, **kwargs)
-        self._sent = None
+        if old is not None:
+            old.close(shutdown_servers=True)
+        self._sent = {}
+        if self.group is not None:
+            self.group.timeout = connect_kwargs.pop("timeout", self.reconnect_timeout)
+            self.group.connect_kwargs.update(connect_kwargs)
+            self.connection = self.group.form()
+        else:
+            i = old.init_info
+            kwargs = dict(packed=i.packed,
+                          packed_buffer_size_bytes=i.packed_buffer_size_bytes,
+                          packed_num_buffers=i.packed_num_buffers,
+                          use_load_plan=i.use_load_plan, metadata=i.metadata,
+                          timeout=self.reconnect_timeout)
+            kwargs.update(connect_kwargs)
+            self.connection = connect(old.clients, device=old.device, **kwargs)
         self.broken = ""
 
     def close(self) -> None:
         """Free the streams and arena, shut the servers' engines down, destroy the group."""
         self._drop_broadcaster()
-        self.connection.close(shutdown_servers=not self.broken)
+        if self.connection is not None:
+            self.connection.close(shutdown_servers=not self.broken)
 
     def _drop_broadcaster(self) -> None:
         if self._broadcaster is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 
@@ -30,6 +31,14 @@ def main() -> None:
 
     import torch
     import uvicorn
+    import vllm
+    # The sparse engine's loader module needs only torch, but its package's
+    # __init__ pulls in the whole model-loading stack: load the module alone.
+    name = "vllm.model_executor.model_loader.checkpoint_weight_patch"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(
+        os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py")
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
     from vllm.distributed.weight_transfer import nccl_engine
     from vllm.distributed.weight_transfer.sparse_nccl_engine import (
         SparseNCCLWeightTransferEngine)

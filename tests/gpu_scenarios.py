@@ -394,6 +394,66 @@ def servers(mode: str, *urls: str) -> None:
     print(f"OK {mode}: {len(urls)} servers at rank offsets {offsets}, one broadcast, bit-exact")
 
 
+def _group_values(layout: str, version: int) -> dict:
+    """Each trainer process builds the same host values, so every check is exact."""
+    import jax.numpy as jnp
+    import numpy as np
+    rng = np.random.default_rng(version)
+    shapes = ({"s0.a": ((1024, 768), jnp.bfloat16), "s0.b": ((33,), np.float32),
+               "s1.a": ((512, 1000), jnp.bfloat16), "s1.b": ((7, 13), np.float32)}
+              if layout == "stages" else
+              {"f.a": ((1024, 768), jnp.bfloat16), "f.b": ((64, 3), np.float32),
+               "f.c": ((6,), np.float32)})
+    return {n: (rng.standard_normal(s) * 3).astype(d) for n, (s, d) in shapes.items()}
+
+
+def group(process: str, nproc: str, port: str, url: str, layout: str, mode: str,
+          workers: str) -> None:
+    """One of ``nproc`` trainer processes of a multi-process JAX job (one GPU
+    each) pushing to the server at ``url`` (``workers`` workers). ``stages``:
+    each process owns part of the parameters and broadcasts them in its own
+    turn; ``fsdp``: every parameter is sharded over all, process 0
+    broadcasts, the others only gather."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(nproc),
+                               process_id=int(process), initialization_timeout=120)
+    from jax_sender import WeightSender
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+
+    def place(name, value):
+        devs = devices if layout == "fsdp" else [devices[int(name[1]) % len(devices)]]
+        spec = PartitionSpec("d") if layout == "fsdp" and name != "f.c" else PartitionSpec()
+        sharding = NamedSharding(Mesh(np.array(devs), ("d",)), spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx],
+                                            dtype=value.dtype)
+
+    sender = None
+    for version in range(2):
+        values = _group_values(layout, version)
+        params = {n: place(n, v) for n, v in values.items()}
+        pairs = sorted(params.items())
+        if sender is None:
+            sender = WeightSender.connect_group(url, pairs, device=0, packed=mode == "packed",
+                                                packed_buffer_size_bytes=1 << 20, timeout=120)
+            expected = tuple(range(len(devices))) if layout == "stages" else (0,)
+            assert sender.group.plan.group == expected, sender.group.plan
+            assert sender.info.rank_offset == len(expected), sender.info
+        stats = sender.send(pairs, weight_version=f"v{version}")
+        assert stats.reused_metadata == (version == 1) or sender.connection is None, stats
+        if int(process) == 0:
+            client = sender.clients[0]
+            ans = client.weight_checker("compare",
+                                        baseline=_checksums(sorted(values.items()), int(workers)))
+            assert ans["match"], ans["mismatches"][:5]
+    role = ("broadcaster" if sender.connection else "gathers only")
+    sender.close()
+    print(f"OK {layout} {mode}: process {process} ({role}), group "
+          f"{sender.group.plan.group}, two versions bit-exact on {workers} workers")
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -6,6 +6,7 @@ and every server is killed with its process group, so a failure never hangs.
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -30,6 +31,12 @@ def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK" in out.stdout
     return out.stdout
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
@@ -77,6 +84,32 @@ def test_send_to_three_receivers(mode):
 def test_three_servers_one_broadcast(mode):
     with ReferenceServer(["1"]) as a, ReferenceServer(["2"]) as b, ReferenceServer(["3"]) as c:
         print(run("servers", mode, a, b, c, timeout=300))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("layout, mode", [("stages", "packed"), ("stages", "unpacked"),
+                                          ("fsdp", "packed")])
+def test_two_trainer_processes(layout, mode):
+    """Two JAX processes (GPUs 0, 1) -> one server with two workers (GPUs 2, 3)."""
+    port = _free_port()
+    with ReferenceServer(["2", "3"]) as url:
+        procs = [start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
+                 for p in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    for p, (o, e) in zip(procs, outs):
+        print(o[-2000:], e[-3000:])
+        assert p.returncode == 0 and "OK" in o, e[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["stages", "fsdp"])
+def test_connect_group_with_one_process(layout):
+    """The group path (id shared through JAX, turns, plan checks) with one process."""
+    with ReferenceServer(["1"]) as url:
+        print(run("group", "0", "1", _free_port(), url, layout, "packed", "1", timeout=240))
 
 
 def test_world_size_too_large_times_out():

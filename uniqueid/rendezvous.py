@@ -118,13 +118,16 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
             packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
             timeout: float = DEFAULT_INIT_TIMEOUT, use_load_plan: bool = False,
-            metadata: list[list] | None = None) -> Connection:
+            metadata: list[list] | None = None, trainer_ranks: int = 1,
+            unique_id: UniqueId | None = None) -> Connection:
     """Form the transfer group with one or more vLLM servers; the trainer is rank 0.
 
     ``workers``: each server's worker count (its ``/get_world_size``), asked
-    when not given. Server *i* gets ``rank_offset`` 1 + the workers of the
-    servers before it, so one broadcast can feed them all. A fresh unique id
-    is minted for every call, so calling again after a failure starts clean.
+    when not given. Server *i* gets ``rank_offset`` ``trainer_ranks`` + the
+    workers of the servers before it, so one broadcast can feed them all.
+    ``trainer_ranks`` > 1: other trainer processes join as ranks 1.. with
+    ``handshake`` and the same ``unique_id``. Otherwise a fresh id is minted
+    for every call, so calling again after a failure starts clean.
     """
     clients = _as_clients(servers)
     if isinstance(workers, int):
@@ -133,9 +136,9 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
         workers = [c.get_world_size() for c in clients]
     if len(workers) != len(clients):
         raise ValueError(f"{len(clients)} servers but {len(workers)} worker counts")
-    world_size = 1 + sum(workers)
-    uid = UniqueId.mint()
-    infos, offset = [], 1
+    world_size = trainer_ranks + sum(workers)
+    uid = unique_id or UniqueId.mint()
+    infos, offset = [], trainer_ranks
     for n in workers:
         if n < 1:
             raise ValueError(f"a server reported {n} workers")
@@ -164,8 +167,9 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
         answered = [c.base_url for c, f in zip(clients, futures)
                     if f.done() and f.exception() is None]
         why = ("; the server answered 200 but its workers never joined: is it running "
-               f"with VLLM_DISABLE_PYNCCL=1, or is world_size {world_size} larger than "
-               f"1 + its workers? ({', '.join(answered)})") if answered else ""
+               f"with VLLM_DISABLE_PYNCCL=1, is world_size {world_size} larger than "
+               f"{trainer_ranks} + its workers, or did a trainer rank not join? "
+               f"({', '.join(answered)})") if answered else ""
         raise RendezvousTimeout(f"{e}{why}") from e
     deadline = time.monotonic() + _HTTP_GRACE
     try:

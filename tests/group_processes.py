@@ -1,0 +1,111 @@
+"""Trainer processes of a multi-process JAX job on CPU, for ``test_group.py``:
+``python tests/group_processes.py SCENARIO PROCESS PORT``.
+
+Two processes with two CPU devices each form one JAX world over loopback
+(gloo collectives), the layout a multi-host trainer has with GPUs. Each
+prints ``OK ...`` and exits 0, or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+VALUES = {"fsdp.a": np.arange(24, dtype=np.float32).reshape(8, 3),
+          "fsdp.b": np.linspace(-1, 1, 4, dtype=np.float32),
+          "stage0.w": np.full((2, 2), 7, np.float32),
+          "stage1.w": np.arange(6, dtype=np.float32)}
+
+
+def _global(name: str, devices: list) -> jax.Array:
+    """``VALUES[name]`` split over ``devices`` along its first axis."""
+    value = VALUES[name]
+    sharding = NamedSharding(Mesh(np.array(devices), ("d",)), PartitionSpec("d"))
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx],
+                                        dtype=value.dtype)
+
+
+def main(scenario: str, process: int, port: str) -> None:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
+                               initialization_timeout=60)
+    from jax_sender import TensorMeta
+    from jax_sender.group import (TrainerGroup, broadcast_plan, gather, join_gathers,
+                                  owners_of, ready, share_from_process_0)
+    from uniqueid import RendezvousError, VLLMClient, VLLMConnectionError
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    mine = [d for d in devices if d.process_index == 1]
+    if scenario == "fsdp":
+        # Every parameter over both processes: process 0 broadcasts, process 1 only gathers.
+        names = ["fsdp.a", "fsdp.b"]
+        arrays = [_global(n, devices) for n in names]
+        plan = broadcast_plan([TensorMeta.of(n, a) for n, a in zip(names, arrays)],
+                              [owners_of(a) for a in arrays])
+        assert plan.group == (0,) and [t.params for t in plan.turns] == [(0, 1)], plan
+        if process == 0:
+            for n, a in zip(names, arrays):
+                full = ready(gather(a), 60, n)
+                assert np.array_equal(np.asarray(full), VALUES[n]), n
+        else:
+            join_gathers(plan, arrays, process, 60)
+        print(f"OK fsdp: process {process}, group {plan.group}")
+    elif scenario == "stages":
+        # One stage per process: two broadcasters, no gather.
+        names = ["stage0.w", "stage1.w"]
+        arrays = [_global("stage0.w", [d for d in devices if d.process_index == 0]),
+                  _global("stage1.w", mine)]
+        plan = broadcast_plan([TensorMeta.of(n, a) for n, a in zip(names, arrays)],
+                              [owners_of(a) for a in arrays])
+        assert plan.group == (0, 1), plan
+        assert [(t.src, t.process, t.params) for t in plan.turns] == [(0, 0, (0,)), (1, 1, (1,))]
+        assert plan.group_rank(process) == process
+        print(f"OK stages: process {process}, turns {plan.turns}")
+    elif scenario == "share":
+        got = share_from_process_0(b"id and world size" if process == 0 else None)
+        assert got == b"id and world size", got
+        print(f"OK share: process {process}")
+    elif scenario == "unreachable":
+        # Process 0 cannot reach its server: it raises, and process 1 is told, not left waiting.
+        names = ["fsdp.a"]
+        arrays = [_global("fsdp.a", devices)]
+        plan = broadcast_plan([TensorMeta.of("fsdp.a", arrays[0])], [owners_of(arrays[0])])
+        clients = [VLLMClient("http://127.0.0.1:9", connect_timeout=5)] if process == 0 else []
+        group = TrainerGroup(plan, process, 0, share_from_process_0, clients, {}, 30)
+        expected = VLLMConnectionError if process == 0 else RendezvousError
+        try:
+            group.form()
+        except expected as e:
+            print(f"OK unreachable: process {process} raised {type(e).__name__}: {e}")
+        else:
+            raise AssertionError("form() returned with an unreachable server")
+    elif scenario == "absent":
+        # Process 1 never joins the gather: process 0's deadline fires.
+        arr = _global("fsdp.a", devices)
+        if process == 0:
+            try:
+                ready(gather(arr), 3, "the gather of fsdp.a")
+            except TimeoutError as e:
+                print(f"OK absent: {e}")
+                time.sleep(5)  # leads the JAX world: let process 1 leave first
+            else:
+                raise AssertionError("a gather without its other owner completed")
+        else:
+            time.sleep(5)  # stay in the world, out of the gather, past the deadline
+            print("OK absent: process 1 stayed out")
+    else:
+        raise ValueError(scenario)
+    sys.stdout.flush()
+    os._exit(0)  # a gather left waiting must not hold the process
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

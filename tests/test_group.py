@@ -1,0 +1,91 @@
+"""Several broadcasting trainer processes: vLLM's validation, and the
+cross-process gathers and id sharing of a real two-process JAX world on CPU."""
+
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jax_sender import MetadataError, TensorMeta
+from jax_sender.group import broadcast_plan
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _metas(n: int) -> list[TensorMeta]:
+    return [TensorMeta(f"p{i}", "bfloat16", (4,)) for i in range(n)]
+
+
+def test_single_owner_and_fsdp_layouts_have_one_broadcaster():
+    plan = broadcast_plan(_metas(3), [None, (0,), (0, 1, 2)])
+    assert plan.group == (0,)
+    assert [(t.src, t.process, t.params) for t in plan.turns] == [(0, 0, (0, 1, 2))]
+    assert plan.group_rank(0) == 0 and plan.group_rank(1) is None
+
+
+def test_first_owners_broadcast_in_ascending_turns():
+    # process 2 co-owns process 1's parameters; process 3 broadcasts its own
+    plan = broadcast_plan(_metas(4), [(3,), (1, 2), (0,), (1,)])
+    assert plan.group == (0, 1, 3)
+    assert [(t.src, t.process, t.params) for t in plan.turns] == [
+        (0, 0, (2,)), (1, 1, (1, 3)), (2, 3, (0,))]
+    assert plan.group_rank(2) is None  # only gathers
+
+
+def test_process_0_broadcasting_nothing_still_leads_the_group():
+    plan = broadcast_plan(_metas(2), [(1,), (2,)])
+    assert plan.group == (0, 1, 2)
+    assert [t.src for t in plan.turns] == [1, 2]
+
+
+@pytest.mark.parametrize("owners, match", [
+    ([(1, 0)], r"owners \[1, 0\]: process 0 only gathers in its own turn"),
+    ([(0,), None, (1,)], r"'p1' is host data.*processes \[0, 1\] broadcast"),
+    ([(0, 1), (1,)], r"process 1 owns parameters broadcast by processes 0 and 1"),
+])
+def test_vllms_rules_are_enforced(owners, match):
+    with pytest.raises(MetadataError, match=match):
+        broadcast_plan(_metas(len(owners)), owners)
+
+
+def _world(scenario: str, timeout: float = 120) -> list[str]:
+    """Run ``scenario`` as JAX processes 0 and 1; their outputs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "group_processes.py"),
+                               scenario, str(p), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for p in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "OK" in out, (out[-2000:], err[-4000:])
+    return [out for out, _ in outs]
+
+
+def test_fsdp_gather_across_processes():
+    """Process 0 gathers each parameter whole; process 1, outside the transfer
+    group, joins the same gathers in the same order."""
+    _world("fsdp")
+
+
+def test_stage_per_process_gives_two_broadcasters():
+    _world("stages")
+
+
+def test_id_and_world_size_are_shared_from_process_0():
+    _world("share")
+
+
+def test_process_0_failing_to_reach_its_server_fails_every_process():
+    outs = _world("unreachable")
+    assert "VLLMConnectionError" in outs[0] and "RendezvousError" in outs[1]
+
+
+def test_gather_without_its_other_owner_hits_the_deadline():
+    assert "did not complete within 3" in _world("absent")[0]
