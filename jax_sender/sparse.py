@@ -10,9 +10,11 @@ A ``tolerance`` instead skips float changes no larger than it; the result is
 then lossy, and ``Patch.lossy`` says so.
 
 vLLM's sparse loader fills the unchanged positions with NaN and copies the
-rest (NaN marks "keep"), so it takes floating tensors only and refuses a
-patch whose values hold a NaN, after the whole transfer. ``check_sparse``
-and ``count_changed`` refuse both here, before anything is sent.
+rest (NaN marks "keep"), so it takes floating tensors only, refuses a patch
+whose values hold a NaN, and has no float8 kernel for its ``index_copy_``:
+all three fail after the whole transfer (the last one found on 2 x H200).
+``check_sparse`` and ``count_changed`` refuse them here, before anything is
+sent.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from .plan import MetadataError, TensorMeta
 
 # vLLM's worker receives int32 indices.
 MAX_ELEMENTS = 2**31 - 1
-# Wire dtypes that can hold vLLM's NaN sentinel.
-SPARSE_DTYPES = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
+# Wire dtypes vLLM 0.33.0's sparse loader can write (NaN sentinel, CUDA index_copy_).
+SPARSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -59,9 +61,10 @@ def check_sparse(meta: TensorMeta) -> None:
     """Refuse a tensor vLLM's sparse worker cannot load, before any collective."""
     if meta.dtype not in SPARSE_DTYPES:
         raise MetadataError(
-            f"{meta.name!r} is {meta.dtype}: vLLM's sparse worker takes floating tensors "
-            f"only ({', '.join(SPARSE_DTYPES)}), because NaN marks the elements it keeps. "
-            "Leave it out of the sparse update, or send it with a dense push")
+            f"{meta.name!r} is {meta.dtype}: vLLM's sparse worker loads only "
+            f"{', '.join(SPARSE_DTYPES)} (NaN marks the elements it keeps, and its "
+            "index_copy_ has no float8 kernel). Leave it out of the sparse update, or send "
+            "it with a dense push")
     if meta.numel > MAX_ELEMENTS:
         raise MetadataError(f"{meta.name!r} has {meta.numel} elements; vLLM's sparse worker "
                             "takes int32 indices (at most 2**31 - 1 elements)")
@@ -106,9 +109,11 @@ def diff(name: str, old: jax.Array, new: jax.Array, *,
 
 def check_patch(meta: TensorMeta, patch: Patch) -> None:
     """What vLLM's sparse loader refuses once the patch has arrived."""
-    if meta.dtype not in SPARSE_DTYPES:
+    if "float" not in meta.dtype:
         raise TypeError(f"{meta.name}: sparse checkpoint patches require a floating dtype "
                         "because NaN is the unchanged-value sentinel")
+    if meta.dtype not in SPARSE_DTYPES:
+        raise RuntimeError(f'"index_copy_cuda" not implemented for {meta.dtype!r}')
     idx = patch.indices
     bad = jnp.any(jnp.isnan(patch.values)) | jnp.any((idx < 0) | (idx >= meta.numel))
     ordered = jnp.sort(idx)

@@ -340,9 +340,11 @@ def sparse(url: str) -> None:
     import jax.numpy as jnp
 
     from jax_sender import MetadataError, WeightSender
+    from jax_sender.sparse import SPARSE_DTYPES
+    from nccl_cffi.dtypes import dtype_name
     sender = WeightSender.connect(url, packed=False)
     client = sender.clients[0]
-    v0 = [(n, a) for n, a in _test_tensors(3) if jnp.issubdtype(a.dtype, jnp.floating)]
+    v0 = [(n, a) for n, a in _test_tensors(3) if dtype_name(a.dtype) in SPARSE_DTYPES]
     zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
     first = sender.send_sparse(v0, zeros)  # both receivers start from zeros
     assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
@@ -360,7 +362,9 @@ def sparse(url: str) -> None:
     fp16 = dict(v1)["a.fp16"]
     for name, old, new, why in [
             ("a.i32", jnp.zeros(3, jnp.int32), jnp.arange(3, dtype=jnp.int32),
-             "floating tensors only"),
+             "sparse worker loads only"),
+            ("a.fp8", jnp.zeros(3, jnp.float8_e4m3fn), jnp.ones(3, jnp.float8_e4m3fn),
+             "sparse worker loads only"),
             ("a.fp16", fp16, fp16.at[0].set(jnp.nan), "are NaN")]:
         try:
             sender.send_sparse([(name, new)], [(name, old)])
@@ -373,7 +377,8 @@ def sparse(url: str) -> None:
     assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
     sender.close()
     print(f"OK sparse: first push {first.bytes} B, 1% push {second.bytes} B "
-          f"(dense {dense} B), back {third.bytes} B, all bit-exact; int and NaN refused first")
+          f"(dense {dense} B), back {third.bytes} B, all bit-exact; int, float8 and NaN "
+          "refused first")
 
 
 def servers(mode: str, *urls: str) -> None:
