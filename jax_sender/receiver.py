@@ -129,7 +129,7 @@ class ReferenceWorker:
             for arr, dt in ((indices, "int32"), (values, m.dtype)):
                 self.comm.broadcast(buffer_pointer(arr), count=count, dtype=dt, root=0,
                                     stream=self._stream, timeout=self.timeout)
-            patches.append(Patch(m.name, m.shape, indices, values))
+            patches.append(Patch(m.name, m.shape, indices, values, count))
         self._wait(f"sparse patches of {len(metas)} tensors")
         for m, p in zip(metas, patches):
             check_patch(m, p)

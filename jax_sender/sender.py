@@ -326,12 +326,13 @@ class WeightSender:
             i = j // 2
             if j % 2:
                 return patches.pop(i).values
-            patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance)
-            if patches[i].count != counts[i]:
-                raise MetadataError(f"{metas[i].name!r} changed while it was being sent")
+            # Padded to a power of two; the broadcast takes the first counts[i] elements.
+            patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance,
+                              count=counts[i])
             return patches[i].indices
 
-        timeout = self.timeout or _TIMEOUT_FLOOR + 2 * max(w.nbytes for w in wire) / _SLOW_BYTES_PER_S
+        largest = max(w.nbytes for w in wire)
+        timeout = self.timeout or _TIMEOUT_FLOOR + 2 * largest / _SLOW_BYTES_PER_S
 
         def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
             b.unpacked(wire, get, 0, timeout=timeout, check=check)

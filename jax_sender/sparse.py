@@ -19,6 +19,7 @@ sent.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -35,17 +36,20 @@ _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 @dataclass
 class Patch:
-    """The changed elements of one tensor, on the device of its arrays."""
+    """The changed elements of one tensor, on the device of its arrays.
+
+    ``indices`` and ``values`` may be longer than ``count`` (their length is
+    rounded up to a power of two, so XLA compiles ``diff`` once per bucket,
+    not once per count); only the first ``count`` elements are the patch, and
+    only those are broadcast. The padding indices point past the tensor.
+    """
 
     name: str
     shape: tuple[int, ...]
     indices: jax.Array  # int32, flat row-major
     values: jax.Array  # the tensor's dtype
+    count: int
     lossy: bool = False
-
-    @property
-    def count(self) -> int:
-        return int(self.indices.shape[0])
 
 
 def _changed(old: jax.Array, new: jax.Array, tolerance: float | None) -> jax.Array:
@@ -70,11 +74,32 @@ def check_sparse(meta: TensorMeta) -> None:
                             "takes int32 indices (at most 2**31 - 1 elements)")
 
 
-def _count(name: str, changed: jax.Array, new: jax.Array) -> int:
-    """Changed elements, refusing a NaN among them (one host sync for both)."""
-    count, nans = (int(x) for x in jax.device_get(jnp.stack([
-        jnp.sum(changed, dtype=jnp.int32),
-        jnp.sum(changed & jnp.isnan(new), dtype=jnp.int32)])))
+@functools.partial(jax.jit, static_argnames="tolerance")
+def _tally(old: jax.Array, new: jax.Array, tolerance: float | None) -> jax.Array:
+    flat_new = new.reshape(-1)
+    changed = _changed(old.reshape(-1), flat_new, tolerance)
+    return jnp.stack([jnp.sum(changed, dtype=jnp.int32),
+                      jnp.sum(changed & jnp.isnan(flat_new), dtype=jnp.int32)])
+
+
+@functools.partial(jax.jit, static_argnames=("size", "tolerance"))
+def _extract(old: jax.Array, new: jax.Array, size: int,
+             tolerance: float | None) -> tuple[jax.Array, jax.Array]:
+    flat_new = new.reshape(-1)
+    changed = _changed(old.reshape(-1), flat_new, tolerance)
+    indices = jnp.nonzero(changed, size=size, fill_value=flat_new.size)[0].astype(jnp.int32)
+    bits = _BITS[new.dtype.itemsize]  # gathered as bits, like ``apply`` scatters
+    values = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(flat_new, bits).at[indices].get(mode="fill", fill_value=0),
+        new.dtype)
+    return indices, values
+
+
+def count_changed(name: str, old: jax.Array, new: jax.Array,
+                  tolerance: float | None = None) -> int:
+    """How many elements ``diff`` would put in the patch; refuses a NaN among
+    them (one host sync for both)."""
+    count, nans = (int(x) for x in jax.device_get(_tally(old, new, tolerance)))
     if nans:
         raise MetadataError(
             f"{name!r}: {nans} changed elements are NaN, which vLLM's sparse worker refuses "
@@ -83,28 +108,22 @@ def _count(name: str, changed: jax.Array, new: jax.Array) -> int:
     return count
 
 
-def count_changed(name: str, old: jax.Array, new: jax.Array,
-                  tolerance: float | None = None) -> int:
-    """How many elements ``diff`` would put in the patch (one host sync)."""
-    flat_new = new.reshape(-1)
-    return _count(name, _changed(old.reshape(-1), flat_new, tolerance), flat_new)
-
-
-def diff(name: str, old: jax.Array, new: jax.Array, *,
-         tolerance: float | None = None) -> Patch:
-    """The patch that turns ``old`` into ``new`` (same shape and dtype)."""
+def diff(name: str, old: jax.Array, new: jax.Array, *, tolerance: float | None = None,
+         count: int | None = None) -> Patch:
+    """The patch that turns ``old`` into ``new`` (same shape and dtype);
+    ``count``: ``count_changed``'s answer, when already known."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise MetadataError(f"{name!r}: previous {old.dtype} {old.shape} and new {new.dtype} "
                             f"{new.shape} differ; a sparse patch needs the same layout")
     check_sparse(TensorMeta.of(name, new))
-    flat_old, flat_new = old.reshape(-1), new.reshape(-1)
-    changed = _changed(flat_old, flat_new, tolerance)
-    count = _count(name, changed, flat_new)  # one host sync: the patch's size
-    indices = jnp.nonzero(changed, size=count)[0].astype(jnp.int32)
-    bits = _BITS[new.dtype.itemsize]  # gathered as bits, like ``apply`` scatters
-    values = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(flat_new, bits)[indices], new.dtype)
-    return Patch(name, tuple(new.shape), indices, values, lossy=tolerance is not None)
+    if count is None:
+        count = count_changed(name, old, new, tolerance)
+    if not new.size:  # nothing to gather from
+        indices, values = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), new.dtype)
+    else:
+        size = 1 << max(count - 1, 0).bit_length()  # 0 -> 1, 5 -> 8, 8 -> 8
+        indices, values = _extract(old, new, size, tolerance)
+    return Patch(name, tuple(new.shape), indices, values, count, lossy=tolerance is not None)
 
 
 def check_patch(meta: TensorMeta, patch: Patch) -> None:
@@ -114,8 +133,8 @@ def check_patch(meta: TensorMeta, patch: Patch) -> None:
                         "because NaN is the unchanged-value sentinel")
     if meta.dtype not in SPARSE_DTYPES:
         raise RuntimeError(f'"index_copy_cuda" not implemented for {meta.dtype!r}')
-    idx = patch.indices
-    bad = jnp.any(jnp.isnan(patch.values)) | jnp.any((idx < 0) | (idx >= meta.numel))
+    idx = patch.indices[:patch.count]
+    bad = jnp.any(jnp.isnan(patch.values[:patch.count])) | jnp.any((idx < 0) | (idx >= meta.numel))
     ordered = jnp.sort(idx)
     if bool(bad | jnp.any(ordered[1:] == ordered[:-1])):
         raise ValueError("Sparse checkpoint patches contain NaN values, out-of-range "
@@ -130,5 +149,6 @@ def apply(base: jax.Array, patch: Patch) -> jax.Array:
     """
     bits = _BITS[base.dtype.itemsize]
     flat = jax.lax.bitcast_convert_type(base.reshape(-1), bits)
-    out = flat.at[patch.indices].set(jax.lax.bitcast_convert_type(patch.values, bits))
+    out = flat.at[patch.indices].set(jax.lax.bitcast_convert_type(patch.values, bits),
+                                     mode="drop")  # the padding points past the end
     return jax.lax.bitcast_convert_type(out, base.dtype).reshape(patch.shape)
