@@ -327,9 +327,11 @@ class WeightSender:
             if j % 2:
                 return patches.pop(i).values
             # Padded to a power of two; the broadcast takes the first counts[i] elements.
-            patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance,
-                              count=counts[i])
-            return patches[i].indices
+            p = patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance,
+                                  count=counts[i])
+            # NCCL reads the buffers by pointer: XLA must have written them first.
+            jax.block_until_ready((p.indices, p.values))
+            return p.indices
 
         largest = max(w.nbytes for w in wire)
         timeout = self.timeout or _TIMEOUT_FLOOR + 2 * largest / _SLOW_BYTES_PER_S
