@@ -482,8 +482,6 @@ def plot(data: dict, path: pathlib.Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    if "ours" not in data:
-        return False
     raw = GiB / statistics.median(data["raw"]) / 1e9
     sweep = [j for j in data["ours"] if j["workload"] == "qwen3-8b" and j["mode"] == "packed"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -522,8 +520,11 @@ def main() -> None:
     table = report(data)
     (OUT / "bench.md").write_text(table + "\n")
     print(table)
-    print("plot:", OUT / "bench.png" if plot(data, OUT / "bench.png")
-          else "matplotlib not installed; redraw with --plot results/bench.json")
+    if "ours" not in data:
+        print("plot: none (no dense sends in this run)")
+    else:
+        print("plot:", OUT / "bench.png" if plot(data, OUT / "bench.png")
+              else "matplotlib not installed; redraw with --plot results/bench.json")
 
 
 if __name__ == "__main__":
