@@ -25,8 +25,7 @@ from typing import Any
 import jax
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT
-from uniqueid import Connection, InitInfo, VLLMClient, connect, in_background
-from uniqueid.rendezvous import _as_clients
+from uniqueid import Connection, InitInfo, VLLMClient, as_clients, connect, in_background
 from uniqueid.wire import SparseUpdateInfo, UpdateInfo
 
 from .group import (BroadcastPlan, Share, TrainerGroup, Turn, broadcast_plan, gather,
@@ -177,7 +176,7 @@ class WeightSender:
         plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
         process = jax.process_index()
         group = TrainerGroup(plan, process, device, share,
-                             _as_clients(servers) if process == 0 else [], connect_kwargs,
+                             as_clients(servers) if process == 0 else [], connect_kwargs,
                              timeout)
         return cls(group.form(), mapping=mapping, group=group)
 

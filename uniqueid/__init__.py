@@ -3,7 +3,8 @@ rendezvous (init + warm-up) that a torch-free trainer performs with them."""
 
 from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, in_background
 from .codec import B64_LENGTH, UNIQUE_ID_BYTES, UniqueId, UniqueIdError, check_rendezvous_mode
-from .rendezvous import Connection, RendezvousError, RendezvousTimeout, connect, handshake, warm_up
+from .rendezvous import (Connection, RendezvousError, RendezvousTimeout, as_clients, connect,
+                         handshake, warm_up)
 from .wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -16,5 +17,5 @@ __all__ = [
     "B64_LENGTH", "Connection", "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS",
     "InitInfo", "RendezvousError", "RendezvousTimeout", "SparseUpdateInfo", "UNIQUE_ID_BYTES",
     "UniqueId", "UniqueIdError", "UpdateInfo", "VLLMClient", "VLLMConnectionError",
-    "VLLMHTTPError", "check_rendezvous_mode", "connect", "handshake", "in_background", "warm_up",
+    "VLLMHTTPError", "as_clients", "check_rendezvous_mode", "connect", "handshake", "in_background", "warm_up",
 ]

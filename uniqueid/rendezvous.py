@@ -107,7 +107,8 @@ class Connection:
             self.comm.destroy()
 
 
-def _as_clients(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> list[VLLMClient]:
+def as_clients(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> list[VLLMClient]:
+    """One URL, one client, or a list of either, as clients."""
     if isinstance(servers, (str, VLLMClient)):
         servers = [servers]
     return [s if isinstance(s, VLLMClient) else VLLMClient(s) for s in servers]
@@ -129,7 +130,7 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
     ``handshake`` and the same ``unique_id``. Otherwise a fresh id is minted
     for every call, so calling again after a failure starts clean.
     """
-    clients = _as_clients(servers)
+    clients = as_clients(servers)
     if isinstance(workers, int):
         workers = [workers]
     if workers is None:
