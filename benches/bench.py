@@ -13,12 +13,14 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
   (``.vllm/server.py --nccl``), packed and unpacked, next to vLLM's own torch
   sender (``NCCLTrainerWeightTransferEngine``) pushing the same tensors into
   the same server; a buffer-size sweep; ``many-small``; ``large``;
+- with 4 GPUs: a 4-rank raw broadcast, and ``qwen3-8b`` into three servers
+  (GPUs 1-3) by one broadcast, against one push per server in turn;
 - ``send_sparse`` of ``qwen3-8b`` with 1%, 10% and 50% of the elements
   changed into vLLM's own ``sparse_nccl`` engine (``jax_sender.vllm_sparse``),
   next to the dense sends above.
 
-Send time is what the issue asks for: from posting ``/update_weights`` (the
-broadcasts start at once) to its answer, i.e. every worker holding every
+Send time: from posting ``/update_weights`` (the broadcasts start at once)
+to its answer, i.e. every worker holding every
 tensor; ``broadcast`` is the sender's own first-launch-to-last-done span.
 Each row: median and best of ``--reps`` after one warm-up. Writes
 ``results/bench.md``, ``results/bench.json`` and, with matplotlib,
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import math
 import os
@@ -92,12 +95,13 @@ def _emit(obj) -> None:
 
 # -- child roles (one GPU each) -------------------------------------------------
 
-def role_raw(rank: str, uid: str, reps: str) -> None:
+def role_raw(rank: str, world: str, uid: str, reps: str) -> None:
     import jax.numpy as jnp
 
     from nccl_cffi import Communicator, cuda
     from uniqueid import UniqueId, warm_up
-    comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0, timeout=120)
+    comm = Communicator.init_rank(int(world), UniqueId.from_b64(uid).raw, int(rank), 0,
+                                  timeout=120)
     warm_up(comm, 60)
     buf = jnp.zeros((GiB,), jnp.uint8).block_until_ready()
     stream = cuda.Stream(0)
@@ -143,26 +147,56 @@ def role_init_vllm(rank: str, uids: str, start: str) -> None:
     _emit(times)
 
 
-def role_jax(url: str, jobs: str) -> None:
-    """Our sender, one process for every job (a job: workload, mode, buffer geometry)."""
+def _workload_pairs(name: str) -> list:
     import jax
     import jax.numpy as jnp
+    spec = workload(name)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(spec))
+    pairs = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(spec, keys)]
+    jax.block_until_ready([a for _, a in pairs])
+    return pairs
+
+
+def role_seq(urls: str, jobs: str) -> None:
+    """One sender per server, pushing to them one after another (the baseline
+    for one broadcast feeding every server)."""
+    from jax_sender import WeightSender
+    for job in json.loads(jobs):
+        pairs = _workload_pairs(job["workload"])
+        senders = [WeightSender.connect(u, packed=job["mode"] == "packed",
+                                        packed_buffer_size_bytes=job["buffer"],
+                                        packed_num_buffers=job["nbuf"])
+                   for u in json.loads(urls)]
+        transfer, total = [], []
+        for _ in range(job["reps"] + 1):
+            t = time.perf_counter()
+            stats = [s.send(pairs) for s in senders]
+            total.append(time.perf_counter() - t)
+            transfer.append(sum(x.transfer_s for x in stats))
+        for s in senders:
+            s.close()
+        _emit(dict(job, transfer=transfer[1:], total=total[1:], bytes=stats[0].bytes,
+                   tensors=stats[0].tensors))
+
+
+def role_jax(url: str, jobs: str) -> None:
+    """Our sender, one process for every job (a job: workload, mode, buffer
+    geometry). ``url``: one server, or a JSON list of servers fed by one broadcast."""
+    import jax
 
     from jax_sender import WeightSender
     dev = jax.devices()[0]
     sender, pairs, current = None, None, None
+    servers = json.loads(url) if url.startswith("[") else url
     for job in json.loads(jobs):
         if job["workload"] != current:
             pairs = None  # free the previous workload first
-            spec = workload(job["workload"])
-            keys = jax.random.split(jax.random.PRNGKey(0), len(spec))
-            pairs = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(spec, keys)]
-            jax.block_until_ready([a for _, a in pairs])
+            pairs = _workload_pairs(job["workload"])
             current = job["workload"]
         geometry = dict(packed=job["mode"] == "packed", packed_buffer_size_bytes=job["buffer"],
                         packed_num_buffers=job["nbuf"])
         if sender is None:
-            sender = WeightSender.connect(url, **geometry)
+            sender = WeightSender.connect(servers, **geometry)
         else:
             sender.reconnect(**geometry)  # frees the previous arena
         base = dev.memory_stats()["bytes_in_use"]
@@ -285,11 +319,11 @@ def _results(out: str, err: str) -> list:
     return found
 
 
-def _pair(role: str, *args: str, timeout: float = 300) -> list:
-    """Run ``role`` as ranks 0 and 1 (GPUs 0 and 1); rank 0's results."""
+def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
+    """Run ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
     procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args], env=_env(str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+             for r in range(n)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -321,7 +355,7 @@ def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
     for label, role in roles:
         start = str(time.time() + (25 if label == "vllm" else 10))  # imports first
         uids = json.dumps([_uid() for _ in range(reps + 1)])
-        ranks = _pair(role, uids, start, timeout=120 + reps)
+        ranks = _ranks(role, 2, uids, start, timeout=120 + reps)
         out[label] = [max(a, b) for a, b in zip(ranks[0][0], ranks[1][0])][1:]
     return out
 
@@ -338,10 +372,12 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
     from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
-    data["raw"] = _pair("role_raw", _uid(), str(reps))[0][0]
+    data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]
     vllm = vllm_available()
     if only != "sparse":
         _dense(data, reps, quick, vllm, save)
+        if _gpu_count() >= 4:
+            _servers(data, reps, vllm, save)
     server = (VLLMServer("1", output=OUT / "vllm_sparse_server.log",
                          requests=pathlib.Path("/tmp/bench_vllm_sparse.jsonl"), sparse=True)
               if vllm else ReferenceServer(["1"], backend="sparse_nccl"))
@@ -351,6 +387,31 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
         data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
     save()
     return data
+
+
+def _gpu_count() -> int:
+    code = "from nccl_cffi.cuda import device_count; print(device_count())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    return int(out.stdout.strip() or 0)
+
+
+def _servers(data: dict, reps: int, vllm: bool, save) -> None:
+    """4 GPUs: a 4-rank raw broadcast, then qwen3-8b into three servers (GPUs
+    1-3) by one broadcast, and by one push per server, one after another."""
+    from jax_sender.harness import ReferenceServer, VLLMServer
+    data["raw4"] = _ranks("role_raw", 4, "4", _uid(), str(reps))[0][0]
+    save()
+    servers = [VLLMServer(g, output=OUT / f"vllm_server_{g}.log",
+                          requests=pathlib.Path(f"/tmp/bench_vllm_{g}.jsonl"))
+               if vllm else ReferenceServer([g]) for g in "123"]
+    job = json.dumps([_job("qwen3-8b", "packed", reps)])
+    with contextlib.ExitStack() as stack:
+        urls = json.dumps([stack.enter_context(s) for s in servers])
+        data["servers_one"] = _one("role_jax", urls, job)
+        save()
+        data["servers_seq"] = _one("role_seq", urls, job)
+        save()
 
 
 def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
@@ -396,9 +457,26 @@ def report(data: dict) -> str:
                   "10 back-to-back broadcasts per repetition")]
     if "ours" in data:
         lines += _dense_report(data, raw)
+    if "servers_seq" in data:
+        lines += _servers_report(data)
     if "sparse" in data:
         lines += _sparse_report(data, raw)
     return "\n".join(lines)
+
+
+def _servers_report(data: dict) -> list[str]:
+    raw4 = GiB / statistics.median(data["raw4"]) / 1e9
+    one, seq = data["servers_one"][0], data["servers_seq"][0]
+    ratio = statistics.median(seq["transfer"]) / statistics.median(one["transfer"])
+    return ["", f"Three servers (GPUs 1-3, {data['target']}), qwen3-8b packed, 1 GiB x 2.", "",
+            "| figure | median s | best s | median GB/s | ratio | notes |",
+            "| --- | --- | --- | --- | --- | --- |",
+            _row("raw ncclBroadcast 1 GiB, 4 ranks (baseline)", GiB, data["raw4"], raw4,
+                 "10 back-to-back broadcasts per repetition"),
+            _row("one broadcast -> 3 servers (1 -> 3 receivers)", one["bytes"],
+                 one["transfer"], raw4, "ratio to 4-rank raw"),
+            _row("  one push per server, one after another", seq["bytes"], seq["transfer"],
+                 raw4, f"GB/s per server's copy; {ratio:.2f} x the one broadcast's time")]
 
 
 def _sparse_report(data: dict, raw: float) -> list[str]:

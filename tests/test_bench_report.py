@@ -1,5 +1,6 @@
 """The benchmark's report, from the committed 2 x H200 run (no GPU)."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -29,3 +30,20 @@ def test_sparse_report_redraws_with_its_same_run_baseline(tmp_path):
     for row in ("raw ncclBroadcast 1 GiB", "vLLM 0.33.0 sparse_nccl engine",
                 "| 1% | 0.49 | 16.38 | 0.03 |", "| 10% |", "| 50% | 24.57 | 16.38 | 1.50 |"):
         assert row in out.stdout, row
+
+
+def test_three_server_rows_compare_one_broadcast_with_pushes_in_turn(tmp_path):
+    """The 4-GPU rows, drawn from a run's JSON (figures made up here: no such run yet)."""
+    one = {"bytes": 16_000_000_000, "transfer": [0.05, 0.06, 0.055]}
+    seq = {"bytes": 16_000_000_000, "transfer": [0.165, 0.16, 0.17]}
+    data = {"reps": 3, "raw": [0.003] * 3, "raw4": [0.004] * 3, "target": "reference receiver",
+            "servers_one": [one], "servers_seq": [seq]}
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    out = subprocess.run([sys.executable, "benches/bench.py", "--plot", str(tmp_path / "run.json"),
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| raw ncclBroadcast 1 GiB, 4 ranks (baseline) | 0.0040 |" in out.stdout
+    assert "| one broadcast -> 3 servers (1 -> 3 receivers) | 0.0550 | 0.0500 | 290.9 | 1.08 |" \
+        in out.stdout
+    assert "3.00 x the one broadcast's time" in out.stdout
