@@ -31,9 +31,9 @@ import numpy as np
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT
 from uniqueid import (UNIQUE_ID_BYTES, Connection, InitInfo, RendezvousError, UniqueId,
-                      VLLMClient, connect, handshake)
+                      UpdateInfo, VLLMClient, connect, handshake)
 
-from .plan import MetadataError, TensorMeta
+from .plan import Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks
 
 # ``share(data)``: process 0 passes bytes, every other process None; all get process 0's.
 Share = Callable[[bytes | None], bytes]
@@ -57,6 +57,41 @@ class BroadcastPlan:
 
     def group_rank(self, process: int) -> int | None:
         return self.group.index(process) if process in self.group else None
+
+    @classmethod
+    def single(cls, n: int) -> "BroadcastPlan":
+        """One process: rank 0 sends all ``n`` tensors."""
+        return cls((0,), (Turn(0, 0, tuple(range(n))),))
+
+
+@dataclass(frozen=True)
+class TurnUpdate:
+    """One turn as the workers see it: its tensors, the packed chunks cut from
+    them alone (a worker cuts per ``/update_weights`` call), and the
+    ``update_info`` process 0 posts for it."""
+
+    turn: Turn
+    metas: list[TensorMeta]
+    chunks: list[Chunk]
+    update: UpdateInfo
+
+
+def turn_updates(plan: BroadcastPlan, metas: Sequence[TensorMeta], buffer_size: int | None,
+                 sent: dict[int, list[TensorMeta]]) -> list[TurnUpdate]:
+    """Every turn's update, checked before anything is sent. ``buffer_size``:
+    packed mode's, None when unpacked. ``sent``: per ``src``, the metadata the
+    workers hold; an unchanged turn posts empty lists (vLLM's reuse, kept per
+    ``src``)."""
+    out = []
+    for turn in plan.turns:
+        sub = [metas[i] for i in turn.params]
+        chunks = plan_chunks(sub, buffer_size) if buffer_size else []
+        check_alignment(sub, chunks)
+        update = UpdateInfo(src=turn.src) if sub == sent.get(turn.src) else UpdateInfo(
+            names=[m.name for m in sub], dtype_names=[m.dtype for m in sub],
+            shapes=[list(m.shape) for m in sub], src=turn.src)
+        out.append(TurnUpdate(turn, sub, chunks, update))
+    return out
 
 
 def owners_of(array: Any) -> tuple[int, ...] | None:

@@ -26,14 +26,13 @@ import jax
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT
 from uniqueid import Connection, InitInfo, VLLMClient, as_clients, connect, in_background
-from uniqueid.wire import SparseUpdateInfo, UpdateInfo
+from uniqueid.wire import SparseUpdateInfo
 
-from .group import (BroadcastPlan, Share, TrainerGroup, Turn, broadcast_plan, gather,
-                    join_gathers, owners_of, ready, share_from_process_0)
+from .group import (BroadcastPlan, Share, TrainerGroup, TurnUpdate, broadcast_plan, gather,
+                    join_gathers, owners_of, ready, share_from_process_0, turn_updates)
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
-from .plan import (LoadPlan, MetadataError, TensorMeta, check_against, check_alignment,
-                   check_unique, plan_chunks)
+from .plan import LoadPlan, MetadataError, TensorMeta, check_against, check_unique
 from .sparse import Patch, check_sparse, count_changed, diff
 
 log = logging.getLogger("jax_sender")
@@ -214,7 +213,7 @@ class WeightSender:
     def _plan(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]) -> BroadcastPlan:
         """One turn for a single process; the group's turns, unchanged since connect."""
         if self.group is None:
-            return BroadcastPlan((0,), (Turn(0, 0, tuple(range(len(metas)))),))
+            return BroadcastPlan.single(len(metas))
         plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
         if plan.group != self.group.plan.group:
             raise MetadataError(
@@ -240,50 +239,40 @@ class WeightSender:
             check_against(list(metadata), metas)
         plan = self._plan(metas, sources)
         info = self.info
-        turns = []
-        for turn in plan.turns:
-            sub = [metas[i] for i in turn.params]
-            chunks = plan_chunks(sub, info.packed_buffer_size_bytes) if info.packed else []
-            check_alignment(sub, chunks)
-            turns.append((turn, sub, chunks))
+        turns = turn_updates(plan, metas, info.packed_buffer_size_bytes if info.packed else None,
+                             self._sent)
         nbytes = sum(m.nbytes for m in metas)
         largest = max(m.nbytes for m in metas)
         timeout = self.timeout or _TIMEOUT_FLOOR + (
             (info.packed_buffer_size_bytes if info.packed else largest) + largest
         ) / _SLOW_BYTES_PER_S
-        n_chunks = sum(len(c) if info.packed else len(sub) for _, sub, c in turns)
+        n_chunks = sum(len(t.chunks) if info.packed else len(t.metas) for t in turns)
         get = self._getter(metas, sources)
         if self.connection is None:  # outside the transfer group: only the gathers
             join_gathers(plan, [a for _, a in sources], self.group.process, timeout)
             return SendStats(nbytes, len(metas), n_chunks, info.packed, False,
                              time.perf_counter() - t0, 0.0, 0.0, 0.0)
         rank = self.group.rank if self.group else 0
-        rounds = []
-        for turn, sub, chunks in turns:
-            reuse = sub == self._sent.get(turn.src)
-            update = UpdateInfo(src=turn.src) if reuse else UpdateInfo(
-                names=[m.name for m in sub], dtype_names=[m.dtype for m in sub],
-                shapes=[list(m.shape) for m in sub], src=turn.src)
 
-            def broadcast(b: Broadcaster, check: Callable[[], None], turn: Turn = turn,
-                          sub: list[TensorMeta] = sub, chunks: list = chunks) -> None:
-                if turn.src != rank:
-                    b.discard(sub, chunks if info.packed else None, turn.src,
+        def broadcast_fn(t: TurnUpdate) -> BroadcastFn:
+            def broadcast(b: Broadcaster, check: Callable[[], None]) -> None:
+                if t.turn.src != rank:
+                    b.discard(t.metas, t.chunks if info.packed else None, t.turn.src,
                               timeout=timeout, check=check)
                     return
-                mine = lambda j: get(turn.params[j])  # noqa: E731
+                mine = lambda j: get(t.turn.params[j])  # noqa: E731
                 if info.packed:
-                    b.packed(sub, chunks, mine, turn.src, timeout=timeout, check=check)
+                    b.packed(t.metas, t.chunks, mine, t.turn.src, timeout=timeout, check=check)
                 else:
-                    b.unpacked(sub, mine, turn.src, timeout=timeout, check=check)
+                    b.unpacked(t.metas, mine, t.turn.src, timeout=timeout, check=check)
+            return broadcast
 
-            rounds.append((update.to_payload(), broadcast))
         t1 = time.perf_counter()
-        phases = self._round(rounds, timeout, timeout * max(n_chunks, 1) + 60,
-                             weight_version, pause)
-        self._sent = {turn.src: sub for turn, sub, _ in turns}
+        phases = self._round([(t.update.to_payload(), broadcast_fn(t)) for t in turns], timeout,
+                             timeout * max(n_chunks, 1) + 60, weight_version, pause)
+        self._sent = {t.turn.src: t.metas for t in turns}
         stats = SendStats(nbytes, len(metas), n_chunks, info.packed,
-                          all(not u["names"] for u, _ in rounds), t1 - t0, *phases)
+                          all(t.update.reuse for t in turns), t1 - t0, *phases)
         log.info("sent %s", stats)
         return stats
 

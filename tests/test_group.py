@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jax_sender import MetadataError, TensorMeta
-from jax_sender.group import broadcast_plan
+from jax_sender.group import BroadcastPlan, broadcast_plan, turn_updates
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -48,6 +48,32 @@ def test_process_0_broadcasting_nothing_still_leads_the_group():
 def test_vllms_rules_are_enforced(owners, match):
     with pytest.raises(MetadataError, match=match):
         broadcast_plan(_metas(len(owners)), owners)
+
+
+def test_each_turn_is_its_own_update_with_its_own_chunks_and_reuse():
+    """What process 0 posts per turn, and the chunks the workers cut per call."""
+    metas = [TensorMeta(f"p{i}", "bfloat16", (n,)) for i, n in enumerate([3, 2, 4, 1])]
+    plan = broadcast_plan(metas, [(0,), (1,), (0,), (1,)])
+    first = turn_updates(plan, metas, 5, {})
+    assert [t.update.to_payload() for t in first] == [
+        {"names": ["p0", "p2"], "dtype_names": ["bfloat16"] * 2, "shapes": [[3], [4]]},
+        {"names": ["p1", "p3"], "dtype_names": ["bfloat16"] * 2, "shapes": [[2], [1]],
+         "src": 1}]  # src omitted when 0, so vLLM 0.33.0 reads the first
+    # 5-byte buffer: 6 | 8 bytes, then 4 + 2, cut within each turn (across the
+    # whole list the chunks would be p0+p1, p2, p3)
+    assert [[(c.start, c.stop) for c in t.chunks] for t in first] == [[(0, 1), (1, 2)],
+                                                                      [(0, 2)]]
+    # Reuse per src: turn 1's metadata changed, turn 0's did not.
+    changed = metas[:3] + [TensorMeta("p3", "bfloat16", (5,))]
+    again = turn_updates(plan, changed, None, {t.turn.src: t.metas for t in first})
+    assert again[0].update.to_payload() == {"names": [], "dtype_names": [], "shapes": []}
+    assert again[1].update.names == ["p1", "p3"] and again[1].chunks == []
+
+
+def test_misaligned_turn_is_refused_before_anything_is_sent():
+    metas = [TensorMeta("a", "int8", (3,)), TensorMeta("b", "float32", (2,))]
+    with pytest.raises(MetadataError, match="not a multiple of 4"):
+        turn_updates(BroadcastPlan.single(2), metas, 1 << 20, {})
 
 
 def _world(scenario: str, timeout: float = 120) -> list[str]:
