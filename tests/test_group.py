@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_sender import MetadataError, TensorMeta
 from jax_sender.group import BroadcastPlan, broadcast_plan, turn_updates
@@ -48,6 +50,34 @@ def test_process_0_broadcasting_nothing_still_leads_the_group():
 def test_vllms_rules_are_enforced(owners, match):
     with pytest.raises(MetadataError, match=match):
         broadcast_plan(_metas(len(owners)), owners)
+
+
+_owners = st.one_of(st.none(), st.lists(st.integers(0, 4), min_size=1, max_size=3,
+                                        unique=True).map(lambda o: tuple(sorted(o))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_owners, min_size=1, max_size=8))
+def test_any_layout_is_planned_by_vllms_rules_or_refused(owners):
+    """Every parameter in exactly one turn, sent by its first owner; the group
+    is process 0 plus the first owners; a process co-owns parameters of one
+    broadcaster only. Otherwise a MetadataError, never anything else."""
+    firsts = {0 if o is None else o[0] for o in owners}
+    first_of: dict[int, int] = {}
+    one_each = all(first_of.setdefault(r, o[0]) == o[0] for o in owners if o for r in o)
+    valid = len(firsts) == 1 or (None not in owners and one_each)
+    try:
+        plan = broadcast_plan(_metas(len(owners)), owners)
+    except MetadataError:
+        assert not valid
+        return
+    assert valid
+    assert sorted(i for t in plan.turns for i in t.params) == list(range(len(owners)))
+    assert plan.group == tuple(sorted({0} | {t.process for t in plan.turns}))
+    for t in plan.turns:
+        assert plan.group[t.src] == t.process
+        assert all((owners[i] or (0,))[0] == t.process for i in t.params)
+    assert [t.src for t in plan.turns] == sorted(t.src for t in plan.turns)
 
 
 def test_each_turn_is_its_own_update_with_its_own_chunks_and_reuse():
