@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,9 @@ import jax
 import numpy as np
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT
-from uniqueid import (UNIQUE_ID_BYTES, Connection, InitInfo, RendezvousError, UniqueId,
-                      UpdateInfo, VLLMClient, connect, handshake)
+from uniqueid import (UNIQUE_ID_BYTES, Connection, InitInfo, RendezvousError,
+                      RendezvousTimeout, UniqueId, UpdateInfo, VLLMClient, connect, handshake,
+                      in_background)
 
 from .plan import Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks
 
@@ -175,12 +177,24 @@ def join_gathers(plan: BroadcastPlan, arrays: Sequence[Any], process: int,
                                             f"{turn.process}")
 
 
-def share_from_process_0(data: bytes | None) -> bytes:
-    """The default ``Share``: JAX's own broadcast between processes (all must call)."""
+def share_from_process_0(data: bytes | None, timeout: float = DEFAULT_INIT_TIMEOUT) -> bytes:
+    """The default ``Share``: JAX's own broadcast between processes. Every
+    process must call it; one that never does would leave the others in a
+    collective with no deadline, so it runs in a daemon thread and the wait
+    for it has one."""
     from jax.experimental import multihost_utils
-    n = np.asarray(multihost_utils.broadcast_one_to_all(np.int64(len(data or b""))))
-    buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(n), np.uint8)
-    return np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()
+
+    def broadcast() -> bytes:
+        n = np.asarray(multihost_utils.broadcast_one_to_all(np.int64(len(data or b""))))
+        buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(n), np.uint8)
+        return np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()
+
+    try:
+        return in_background(broadcast, name="share-from-process-0").result(timeout)
+    except FutureTimeout:
+        raise RendezvousTimeout(
+            f"the trainer processes did not all reach connect_group within {timeout}s: "
+            "every process must call it (and reconnect) together") from None
 
 
 _GEOMETRY = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")

@@ -41,7 +41,7 @@ def main(scenario: str, process: int, port: str) -> None:
     from jax_sender import TensorMeta
     from jax_sender.group import (TrainerGroup, broadcast_plan, gather, join_gathers,
                                   owners_of, ready, share_from_process_0)
-    from uniqueid import RendezvousError, VLLMClient, VLLMConnectionError
+    from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mine = [d for d in devices if d.process_index == 1]
     if scenario == "fsdp":
@@ -73,6 +73,19 @@ def main(scenario: str, process: int, port: str) -> None:
         got = share_from_process_0(b"id and world size" if process == 0 else None)
         assert got == b"id and world size", got
         print(f"OK share: process {process}")
+    elif scenario == "late":
+        # Process 1 never reaches connect_group: process 0's share gives up.
+        if process == 0:
+            try:
+                share_from_process_0(b"id", timeout=3)
+            except RendezvousTimeout as e:
+                print(f"OK late: {e}")
+                time.sleep(5)  # leads the JAX world: let process 1 leave first
+            else:
+                raise AssertionError("shared with a process that never called")
+        else:
+            time.sleep(5)
+            print("OK late: process 1 never called")
     elif scenario == "unreachable":
         # Process 0 cannot reach its server: it raises, and process 1 is told, not left waiting.
         names = ["fsdp.a"]

@@ -138,6 +138,10 @@ def test_id_and_world_size_are_shared_from_process_0():
     _world("share")
 
 
+def test_a_process_that_never_joins_ends_the_share_at_its_deadline():
+    assert "did not all reach connect_group within 3" in _world("late")[0]
+
+
 def test_process_0_failing_to_reach_its_server_fails_every_process():
     outs = _world("unreachable")
     assert "VLLMConnectionError" in outs[0] and "RendezvousError" in outs[1]
