@@ -108,6 +108,15 @@ def _first_gpu() -> int:
     return jax.local_devices(backend="gpu")[0].local_hardware_id
 
 
+def _load_plan(params: Any, mapping: Mapping, connect_kwargs: dict[str, Any]) -> LoadPlan | None:
+    """The manifest of ``params``, added to the init info; None when off."""
+    if params is None:
+        return None
+    plan = LoadPlan(describe(params, mapping)[0])
+    connect_kwargs.update(use_load_plan=True, metadata=plan.to_payload())
+    return plan
+
+
 def _jax_device(ordinal: int) -> jax.Device:
     for d in jax.local_devices():
         if d.platform == "gpu" and d.local_hardware_id == ordinal:
@@ -150,10 +159,7 @@ class WeightSender:
         """
         if device is None:
             device = _first_gpu()
-        plan = None
-        if load_plan is not None:
-            plan = LoadPlan(describe(load_plan, mapping)[0])
-            connect_kwargs.update(use_load_plan=True, metadata=plan.to_payload())
+        plan = _load_plan(load_plan, mapping, connect_kwargs)
         return cls(connect(servers, device=device, **connect_kwargs), mapping=mapping,
                    load_plan=plan)
 
@@ -161,23 +167,25 @@ class WeightSender:
     def connect_group(cls, servers: str | VLLMClient | Sequence[str | VLLMClient], params: Any,
                       *, device: int | None = None, mapping: Mapping = Mapping(),
                       share: Share = share_from_process_0, timeout: float = DEFAULT_INIT_TIMEOUT,
-                      **connect_kwargs: Any) -> "WeightSender":
+                      load_plan: Any = None, **connect_kwargs: Any) -> "WeightSender":
         """Every trainer process of a multi-host JAX job calls this, with the
         same ``params`` (global arrays) and arguments: each parameter is sent
         by its first owner (see ``group.py``). Process 0 talks to the servers
         and shares the unique id and world size through ``share`` (default:
         JAX's own broadcast between processes); the other broadcasters join
         as group ranks 1..; the rest hold no communicator. ``servers`` is read
-        on process 0 only. Later sends must keep the same broadcasters."""
+        on process 0 only. Later sends must keep the same broadcasters.
+        ``load_plan`` as in ``connect``; every process checks each send."""
         if device is None:
             device = _first_gpu()
+        load = _load_plan(load_plan, mapping, connect_kwargs)
         metas, sources = describe(params, mapping)
         plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
         process = jax.process_index()
         group = TrainerGroup(plan, process, device, share,
                              as_clients(servers) if process == 0 else [], connect_kwargs,
                              timeout)
-        return cls(group.form(), mapping=mapping, group=group)
+        return cls(group.form(), mapping=mapping, group=group, load_plan=load)
 
     @property
     def info(self) -> InitInfo:
