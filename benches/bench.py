@@ -230,6 +230,7 @@ def role_sparse(url: str, fractions: str, reps: str) -> None:
         stats = [sender.send_sparse(new, old) for _ in range(int(reps) + 1)][1:]
         _emit(dict(fraction=f, transfer=[x.transfer_s for x in stats],
                    total=[x.total_s for x in stats], prepare=[x.prepare_s for x in stats],
+                   broadcast=[x.broadcast_s for x in stats], host=[x.host_s for x in stats],
                    bytes=stats[0].bytes, dense=sum(a.nbytes for _, a in new),
                    tensors=stats[0].tensors))
     sender.close()
@@ -498,6 +499,14 @@ def _sparse_report(data: dict, raw: float) -> list[str]:
             f"{j['bytes'] / j['dense']:.2f} | {med:.3f} | {min(j['transfer']):.3f} | "
             f"{statistics.median(j['total']):.3f} | {at_raw:.3f} | {med / at_raw:.1f} |"
             + (f" {statistics.median(dense['transfer']):.3f} |" if dense else ""))
+    split = [j for j in data["sparse"] if "host" in j]
+    if split:
+        lines += ["", "Where a sparse push's time goes (medians): the sender building "
+                  "patches (host, waits included), the broadcasts' span, and the rest of "
+                  "`/update_weights` (vLLM's loader after the last broadcast).", ""]
+        lines += [f"- {j['fraction']:.0%}: patches {statistics.median(j['host']):.3f} s, "
+                  f"broadcasts {statistics.median(j['broadcast']):.3f} s of "
+                  f"{statistics.median(j['transfer']):.3f} s" for j in split]
     return lines
 
 

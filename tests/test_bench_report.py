@@ -47,3 +47,18 @@ def test_three_server_rows_compare_one_broadcast_with_pushes_in_turn(tmp_path):
     assert "| one broadcast -> 3 servers (1 -> 3 receivers) | 0.0550 | 0.0500 | 290.9 | 1.08 |" \
         in out.stdout
     assert "3.00 x the one broadcast's time" in out.stdout
+
+
+def test_sparse_rows_split_sender_and_broadcast_time_when_recorded(tmp_path):
+    """Figures made up: the split is recorded from this version of the bench on."""
+    row = {"fraction": 0.1, "bytes": 4_900_000_000, "dense": 16_380_000_000,
+           "transfer": [0.5, 0.52, 0.51], "total": [0.7] * 3, "host": [0.2, 0.21, 0.22],
+           "broadcast": [0.3, 0.31, 0.29]}
+    data = {"reps": 3, "raw": [0.003] * 3, "sparse_target": "reference receiver, sparse_nccl",
+            "sparse": [row]}
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    out = subprocess.run([sys.executable, "benches/bench.py", "--plot", str(tmp_path / "run.json"),
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "- 10%: patches 0.210 s, broadcasts 0.300 s of 0.510 s" in out.stdout
