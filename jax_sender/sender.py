@@ -291,9 +291,10 @@ class WeightSender:
         backend: per tensor, its int32 flat indices then its values.
 
         Exact by default (bits compared, see ``sparse.py``); ``tolerance``
-        skips float changes no larger than it, which is lossy. Floating tensors
-        only, and no NaN among the changed values: vLLM's loader would refuse
-        either after the transfer, so both are refused here first. Counting
+        skips float changes no larger than it, which is lossy. float16,
+        bfloat16, float32 and float64 only, and no NaN among the changed
+        values: vLLM's loader would fail on anything else after the transfer,
+        so it is refused here first. Counting
         the changes syncs the host once per tensor; each patch is then built
         just in time and freed once broadcast. A tensor with no change is still
         two zero-count broadcasts, as vLLM's own sparse trainer issues them.
@@ -329,6 +330,7 @@ class WeightSender:
             jax.block_until_ready((p.indices, p.values))
             return p.indices
 
+        nbytes = sum(w.nbytes for w in wire)
         largest = max(w.nbytes for w in wire)
         timeout = self.timeout or _TIMEOUT_FLOOR + 2 * largest / _SLOW_BYTES_PER_S
 
@@ -336,11 +338,11 @@ class WeightSender:
             b.unpacked(wire, get, 0, timeout=timeout, check=check)
 
         t1 = time.perf_counter()
-        phases = self._round([(update.to_payload(), broadcast)], timeout, timeout + 60,
-                             weight_version, pause)
+        # The whole call: every patch at the slow rate, then vLLM's loader.
+        phases = self._round([(update.to_payload(), broadcast)], timeout,
+                             timeout + nbytes / _SLOW_BYTES_PER_S + 60, weight_version, pause)
         self._sent = {}
-        stats = SendStats(sum(w.nbytes for w in wire), len(metas), len(wire), False, False,
-                          t1 - t0, *phases)
+        stats = SendStats(nbytes, len(metas), len(wire), False, False, t1 - t0, *phases)
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
 

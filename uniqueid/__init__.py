@@ -17,5 +17,6 @@ __all__ = [
     "B64_LENGTH", "Connection", "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS",
     "InitInfo", "RendezvousError", "RendezvousTimeout", "SparseUpdateInfo", "UNIQUE_ID_BYTES",
     "UniqueId", "UniqueIdError", "UpdateInfo", "VLLMClient", "VLLMConnectionError",
-    "VLLMHTTPError", "as_clients", "check_rendezvous_mode", "connect", "handshake", "in_background", "warm_up",
+    "VLLMHTTPError", "as_clients", "check_rendezvous_mode", "connect", "handshake",
+    "in_background", "warm_up",
 ]
