@@ -37,7 +37,6 @@ import json
 import math
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -219,9 +218,8 @@ def role_sparse(url: str, fractions: str, reps: str) -> None:
     import jax.numpy as jnp
 
     from jax_sender import WeightSender
-    spec = workload("qwen3-8b")
-    keys = jax.random.split(jax.random.PRNGKey(0), len(spec))
-    old = [(n, jax.random.normal(k, s, jnp.bfloat16)) for (n, s), k in zip(spec, keys)]
+    old = _workload_pairs("qwen3-8b")
+    keys = jax.random.split(jax.random.PRNGKey(0), len(old))  # the keys behind the values
     sender = WeightSender.connect(url, packed=False)
     bump = jax.jit(lambda a, k, f: jnp.where(jax.random.uniform(k, a.shape) < f, a + 1, a))
     for f in json.loads(fractions):
@@ -246,6 +244,7 @@ def role_torch(url: str, jobs: str) -> None:
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                               NCCLTrainerWeightTransferEngine)
 
+    from jax_sender.harness import free_port
     from uniqueid import VLLMClient
     torch.cuda.set_device(0)
 
@@ -289,9 +288,7 @@ def role_torch(url: str, jobs: str) -> None:
             pairs = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
                      for n, s in workload(job["workload"])]
             current = job["workload"]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         client = TimedClient()
         engine = NCCLTrainerWeightTransferEngine.trainer_init(
             NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=port, world_size=2,

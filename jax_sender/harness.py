@@ -21,6 +21,29 @@ from collections.abc import Sequence
 VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for ``procs`` (text pipes) together, kill them all on the way out;
+    each must exit 0 and print ``OK``. Their outputs."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        print(out[-2000:], err[-3000:])
+        if p.returncode != 0 or "OK" not in out:
+            raise RuntimeError(f"{p.args} exited {p.returncode} without OK:\n{out[-2000:]}\n"
+                               f"{err[-4000:]}")
+    return [out for out, _ in outs]
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group ``proc`` leads, and reap ``proc``."""
     try:
@@ -125,9 +148,7 @@ class VLLMServer:
 
     def __enter__(self) -> str:
         import httpx
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpu, NCCL_NVLS_ENABLE="0",
                    PYTHONUNBUFFERED="1")
         cmd = ([sys.executable, "-m", "jax_sender.vllm_sparse", str(self.tree)] if self.sparse

@@ -33,6 +33,22 @@ def _global(name: str, devices: list) -> jax.Array:
                                         dtype=value.dtype)
 
 
+def _only_process_0_waits(process: int, wait, error: type[Exception], label: str) -> None:
+    """Process 0 runs ``wait``, which must raise ``error`` at its deadline, while
+    process 1 stays in the JAX world but out of it; process 1 leaves first."""
+    if process == 0:
+        try:
+            wait()
+        except error as e:
+            print(f"OK {label}: {e}")
+            time.sleep(5)  # leads the JAX world: let process 1 leave first
+        else:
+            raise AssertionError(f"{label}: the wait completed without process 1")
+    else:
+        time.sleep(5)  # in the world, out of the wait, past its deadline
+        print(f"OK {label}: process 1 stayed out")
+
+
 def main(scenario: str, process: int, port: str) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -44,12 +60,16 @@ def main(scenario: str, process: int, port: str) -> None:
     from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mine = [d for d in devices if d.process_index == 1]
+
+    def plan_of(names: list[str], arrays: list[jax.Array]):
+        return broadcast_plan([TensorMeta.of(n, a) for n, a in zip(names, arrays)],
+                              [owners_of(a) for a in arrays])
+
     if scenario == "fsdp":
         # Every parameter over both processes: process 0 broadcasts, process 1 only gathers.
         names = ["fsdp.a", "fsdp.b"]
         arrays = [_global(n, devices) for n in names]
-        plan = broadcast_plan([TensorMeta.of(n, a) for n, a in zip(names, arrays)],
-                              [owners_of(a) for a in arrays])
+        plan = plan_of(names, arrays)
         assert plan.group == (0,) and [t.params for t in plan.turns] == [(0, 1)], plan
         if process == 0:
             for n, a in zip(names, arrays):
@@ -63,8 +83,7 @@ def main(scenario: str, process: int, port: str) -> None:
         names = ["stage0.w", "stage1.w"]
         arrays = [_global("stage0.w", [d for d in devices if d.process_index == 0]),
                   _global("stage1.w", mine)]
-        plan = broadcast_plan([TensorMeta.of(n, a) for n, a in zip(names, arrays)],
-                              [owners_of(a) for a in arrays])
+        plan = plan_of(names, arrays)
         assert plan.group == (0, 1), plan
         assert [(t.src, t.process, t.params) for t in plan.turns] == [(0, 0, (0,)), (1, 1, (1,))]
         assert plan.group_rank(process) == process
@@ -75,22 +94,11 @@ def main(scenario: str, process: int, port: str) -> None:
         print(f"OK share: process {process}")
     elif scenario == "late":
         # Process 1 never reaches connect_group: process 0's share gives up.
-        if process == 0:
-            try:
-                share_from_process_0(b"id", timeout=3)
-            except RendezvousTimeout as e:
-                print(f"OK late: {e}")
-                time.sleep(5)  # leads the JAX world: let process 1 leave first
-            else:
-                raise AssertionError("shared with a process that never called")
-        else:
-            time.sleep(5)
-            print("OK late: process 1 never called")
+        _only_process_0_waits(process, lambda: share_from_process_0(b"id", timeout=3),
+                              RendezvousTimeout, "late")
     elif scenario == "unreachable":
         # Process 0 cannot reach its server: it raises, and process 1 is told, not left waiting.
-        names = ["fsdp.a"]
-        arrays = [_global("fsdp.a", devices)]
-        plan = broadcast_plan([TensorMeta.of("fsdp.a", arrays[0])], [owners_of(arrays[0])])
+        plan = plan_of(["fsdp.a"], [_global("fsdp.a", devices)])
         clients = [VLLMClient("http://127.0.0.1:9", connect_timeout=5)] if process == 0 else []
         group = TrainerGroup(plan, process, 0, share_from_process_0, clients, {}, 30)
         expected = VLLMConnectionError if process == 0 else RendezvousError
@@ -103,17 +111,8 @@ def main(scenario: str, process: int, port: str) -> None:
     elif scenario == "absent":
         # Process 1 never joins the gather: process 0's deadline fires.
         arr = _global("fsdp.a", devices)
-        if process == 0:
-            try:
-                ready(gather(arr), 3, "the gather of fsdp.a")
-            except TimeoutError as e:
-                print(f"OK absent: {e}")
-                time.sleep(5)  # leads the JAX world: let process 1 leave first
-            else:
-                raise AssertionError("a gather without its other owner completed")
-        else:
-            time.sleep(5)  # stay in the world, out of the gather, past the deadline
-            print("OK absent: process 1 stayed out")
+        _only_process_0_waits(process, lambda: ready(gather(arr), 3, "the gather of fsdp.a"),
+                              TimeoutError, "absent")
     else:
         raise ValueError(scenario)
     sys.stdout.flush()

@@ -8,12 +8,20 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_report_redraws_from_a_runs_json(tmp_path):
-    out = subprocess.run([sys.executable, "benches/bench.py", "--plot",
-                          "benches/bench-2xh200.json", "--out", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+def _redraw(run, out_dir: pathlib.Path) -> str:
+    """``bench.py --plot`` of a run's JSON (a path, or the data to write there)."""
+    if isinstance(run, dict):
+        path = out_dir / "run.json"
+        path.write_text(json.dumps(run))
+        run = str(path)
+    out = subprocess.run([sys.executable, "benches/bench.py", "--plot", run, "--out",
+                          str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    table = out.stdout
+    return out.stdout
+
+
+def test_report_redraws_from_a_runs_json(tmp_path):
+    table = _redraw("benches/bench-2xh200.json", tmp_path)
     for row in ("raw ncclBroadcast 1 GiB", "packed send qwen3-8b", "vLLM's torch sender",
                 "unpacked send qwen3-8b", "many-small", "large", "uniqueid.handshake",
                 "from_unique_id_bytes", "| 64 MiB | 1 |", "| 2048 MiB | 3 |"):
@@ -23,13 +31,10 @@ def test_report_redraws_from_a_runs_json(tmp_path):
 
 
 def test_sparse_report_redraws_with_its_same_run_baseline(tmp_path):
-    out = subprocess.run([sys.executable, "benches/bench.py", "--plot",
-                          "benches/bench-sparse-2xh200.json", "--out", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    table = _redraw("benches/bench-sparse-2xh200.json", tmp_path)
     for row in ("raw ncclBroadcast 1 GiB", "vLLM 0.33.0 sparse_nccl engine",
                 "| 1% | 0.49 | 16.38 | 0.03 |", "| 10% |", "| 50% | 24.57 | 16.38 | 1.50 |"):
-        assert row in out.stdout, row
+        assert row in table, row
 
 
 def test_three_server_rows_compare_one_broadcast_with_pushes_in_turn(tmp_path):
@@ -38,15 +43,11 @@ def test_three_server_rows_compare_one_broadcast_with_pushes_in_turn(tmp_path):
     seq = {"bytes": 16_000_000_000, "transfer": [0.165, 0.16, 0.17]}
     data = {"reps": 3, "raw": [0.003] * 3, "raw4": [0.004] * 3, "target": "reference receiver",
             "servers_one": [one], "servers_seq": [seq]}
-    (tmp_path / "run.json").write_text(json.dumps(data))
-    out = subprocess.run([sys.executable, "benches/bench.py", "--plot", str(tmp_path / "run.json"),
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "| raw ncclBroadcast 1 GiB, 4 ranks (baseline) | 0.0040 |" in out.stdout
+    table = _redraw(data, tmp_path)
+    assert "| raw ncclBroadcast 1 GiB, 4 ranks (baseline) | 0.0040 |" in table
     assert "| one broadcast -> 3 servers (1 -> 3 receivers) | 0.0550 | 0.0500 | 290.9 | 1.08 |" \
-        in out.stdout
-    assert "3.00 x the one broadcast's time" in out.stdout
+        in table
+    assert "3.00 x the one broadcast's time" in table
 
 
 def test_sparse_rows_split_sender_and_broadcast_time_when_recorded(tmp_path):
@@ -56,9 +57,4 @@ def test_sparse_rows_split_sender_and_broadcast_time_when_recorded(tmp_path):
            "broadcast": [0.3, 0.31, 0.29]}
     data = {"reps": 3, "raw": [0.003] * 3, "sparse_target": "reference receiver, sparse_nccl",
             "sparse": [row]}
-    (tmp_path / "run.json").write_text(json.dumps(data))
-    out = subprocess.run([sys.executable, "benches/bench.py", "--plot", str(tmp_path / "run.json"),
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "- 10%: patches 0.210 s, broadcasts 0.300 s of 0.510 s" in out.stdout
+    assert "- 10%: patches 0.210 s, broadcasts 0.300 s of 0.510 s" in _redraw(data, tmp_path)

@@ -6,13 +6,13 @@ and every server is killed with its process group, so a failure never hangs.
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
+from jax_sender.harness import (ReferenceServer, VLLMServer, free_port, run_all,
+                                vllm_available)
 from uniqueid import UniqueId
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,12 +33,6 @@ def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
     return out.stdout
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, SCENARIOS, name, *args], env=env_for(gpu),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -47,15 +41,7 @@ def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
 @pytest.mark.parametrize("blocking", ["0", "1"])
 def test_two_ranks_init_all_reduce_broadcast(blocking):
     uid = UniqueId.mint().to_b64()
-    procs = [start("nccl_pair", str(r), uid, blocking, gpu=str(r)) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (o, e) in zip(procs, outs):
-        assert p.returncode == 0, e[-3000:]
-        assert "OK" in o
+    run_all([start("nccl_pair", str(r), uid, blocking, gpu=str(r)) for r in range(2)], 180)
 
 
 def test_nonblocking_init_times_out_and_aborts():
@@ -91,25 +77,17 @@ def test_three_servers_one_broadcast(mode):
                                           ("fsdp", "packed")])
 def test_two_trainer_processes(layout, mode):
     """Two JAX processes (GPUs 0, 1) -> one server with two workers (GPUs 2, 3)."""
-    port = _free_port()
+    port = str(free_port())
     with ReferenceServer(["2", "3"]) as url:
-        procs = [start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
-                 for p in (0, 1)]
-        try:
-            outs = [p.communicate(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    for p, (o, e) in zip(procs, outs):
-        print(o[-2000:], e[-3000:])
-        assert p.returncode == 0 and "OK" in o, e[-3000:]
+        run_all([start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
+                 for p in (0, 1)], 300)
 
 
 @pytest.mark.parametrize("layout", ["stages", "fsdp"])
 def test_connect_group_with_one_process(layout):
     """The group path (id shared through JAX, turns, plan checks) with one process."""
     with ReferenceServer(["1"]) as url:
-        print(run("group", "0", "1", _free_port(), url, layout, "packed", "1", timeout=240))
+        print(run("group", "0", "1", str(free_port()), url, layout, "packed", "1", timeout=240))
 
 
 def test_world_size_too_large_times_out():

@@ -2,7 +2,6 @@
 cross-process gathers and id sharing of a real two-process JAX world on CPU."""
 
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 
 from jax_sender import MetadataError, TensorMeta
 from jax_sender.group import BroadcastPlan, broadcast_plan, turn_updates
+from jax_sender.harness import free_port, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -108,20 +108,11 @@ def test_misaligned_turn_is_refused_before_anything_is_sent():
 
 def _world(scenario: str, timeout: float = 120) -> list[str]:
     """Run ``scenario`` as JAX processes 0 and 1; their outputs."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "group_processes.py"),
-                               scenario, str(p), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for p in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and "OK" in out, (out[-2000:], err[-4000:])
-    return [out for out, _ in outs]
+    port = str(free_port())
+    return run_all([subprocess.Popen([sys.executable, str(ROOT / "tests" / "group_processes.py"),
+                                      scenario, str(p), port], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                    for p in (0, 1)], timeout)
 
 
 def test_fsdp_gather_across_processes():
