@@ -367,7 +367,7 @@ SPARSE_FRACTIONS = [0.01, 0.1, 0.5]
 
 def run(reps: int, quick: bool, only: str | None = None) -> dict:
     """Every stage's figures are saved as soon as they exist."""
-    from jax_sender.harness import ReferenceServer, VLLMServer, vllm_available
+    from jax_sender.harness import vllm_available
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
     data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]
@@ -376,15 +376,23 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
         _dense(data, reps, quick, vllm, save)
         if _gpu_count() >= 4:
             _servers(data, reps, vllm, save)
-    server = (VLLMServer("1", output=OUT / "vllm_sparse_server.log",
-                         requests=pathlib.Path("/tmp/bench_vllm_sparse.jsonl"), sparse=True)
-              if vllm else ReferenceServer(["1"], backend="sparse_nccl"))
-    with server as url:
+    with _server("1", vllm, sparse=True) as url:
         data["sparse_target"] = ("vLLM 0.33.0 sparse_nccl engine" if vllm
                                  else "reference receiver, sparse_nccl")
         data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
     save()
     return data
+
+
+def _server(gpu: str, vllm: bool, sparse: bool = False):
+    """The receiving server on ``gpu``: vLLM 0.33.0's own when it imports here
+    (its log under the results folder), else the reference receiver."""
+    from jax_sender.harness import ReferenceServer, VLLMServer
+    if not vllm:
+        return ReferenceServer([gpu], backend="sparse_nccl" if sparse else "nccl")
+    name = f"vllm_{'sparse_' * sparse}server_{gpu}"
+    return VLLMServer(gpu, output=OUT / f"{name}.log",
+                      requests=pathlib.Path(f"/tmp/bench_{name}.jsonl"), sparse=sparse)
 
 
 def _gpu_count() -> int:
@@ -397,12 +405,9 @@ def _gpu_count() -> int:
 def _servers(data: dict, reps: int, vllm: bool, save) -> None:
     """4 GPUs: a 4-rank raw broadcast, then qwen3-8b into three servers (GPUs
     1-3) by one broadcast, and by one push per server, one after another."""
-    from jax_sender.harness import ReferenceServer, VLLMServer
     data["raw4"] = _ranks("role_raw", 4, "4", _uid(), str(reps))[0][0]
     save()
-    servers = [VLLMServer(g, output=OUT / f"vllm_server_{g}.log",
-                          requests=pathlib.Path(f"/tmp/bench_vllm_{g}.jsonl"))
-               if vllm else ReferenceServer([g]) for g in "123"]
+    servers = [_server(g, vllm) for g in "123"]
     job = json.dumps([_job("qwen3-8b", "packed", reps)])
     with contextlib.ExitStack() as stack:
         urls = json.dumps([stack.enter_context(s) for s in servers])
@@ -413,7 +418,6 @@ def _servers(data: dict, reps: int, vllm: bool, save) -> None:
 
 
 def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
-    from jax_sender.harness import ReferenceServer, VLLMServer
     data["init"] = _init_latency(reps, vllm)
     save()
     main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
@@ -421,10 +425,7 @@ def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
     extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
-    server = (VLLMServer("1", output=OUT / "vllm_server.log",
-                         requests=pathlib.Path("/tmp/bench_vllm.jsonl"))
-              if vllm else ReferenceServer(["1"]))
-    with server as url:
+    with _server("1", vllm) as url:
         data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
         data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
         save()
