@@ -214,11 +214,10 @@ class Broadcaster:
         ``chunks=None``, its tensors, each in its own dtype) into scratch bytes
         and drop them. Every group member must join each broadcast."""
         self.started, self.host_s = 0.0, 0.0
-        parts = ([(c.nbytes, "uint8") for c in chunks] if chunks is not None
-                 else [(m.numel, m.dtype) for m in metas])
-        self.arena.ensure(max((c.nbytes for c in chunks) if chunks is not None
-                              else (m.nbytes for m in metas), default=0))
-        for count, dtype in parts:
+        parts = ([(c.nbytes, "uint8", c.nbytes) for c in chunks] if chunks is not None
+                 else [(m.numel, m.dtype, m.nbytes) for m in metas])
+        self.arena.ensure(max((nbytes for _, _, nbytes in parts), default=0))
+        for count, dtype, _ in parts:
             while len(self._inflight) >= self.num_buffers:
                 self._retire_oldest(timeout, check)
             self._launch(self.arena.ptr, count, dtype, root, None, [], timeout, check)
