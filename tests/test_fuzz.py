@@ -7,7 +7,7 @@ never sends what the reference receiver (vLLM's rules) would refuse.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jax_sender import Mapping, MetadataError, TensorMeta, describe, plan_chunks
@@ -29,6 +29,8 @@ init_values = json_values | st.just(VALID_UID) | st.integers(0, 5)
 
 @settings(max_examples=500, deadline=None)
 @given(st.dictionaries(init_keys, init_values, max_size=8) | json_values)
+@example({"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+          "world_size": 2})  # TCP mode: its payload must carry the address, not a null id
 def test_init_info_parse_never_crashes(payload):
     try:
         info = InitInfo.from_payload(payload)

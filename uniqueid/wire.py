@@ -98,8 +98,11 @@ class InitInfo:
                                      master_port=self.master_port)
 
     def to_payload(self) -> dict[str, Any]:
+        # Only the rendezvous mode in use, as vLLM's trainer sends it.
+        mode = ({"nccl_unique_id_b64": self.nccl_unique_id_b64} if self.nccl_unique_id_b64
+                else {"master_address": self.master_address, "master_port": self.master_port})
         out = {
-            "nccl_unique_id_b64": self.nccl_unique_id_b64,
+            **mode,
             "rank_offset": self.rank_offset,
             "world_size": self.world_size,
             "packed": self.packed,
