@@ -22,9 +22,17 @@ VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
 
 
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
+    """A TCP port free on every interface right now. Probed on the IPv6
+    wildcard where there is one: JAX's coordinator binds ``[::]:port``, and a
+    port free on 127.0.0.1 alone can still be taken there."""
+    try:
+        s = socket.socket(socket.AF_INET6)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+        s.bind(("::", 0))
+    except OSError:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
+    with s:
         return s.getsockname()[1]
 
 
