@@ -44,6 +44,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from jax_sender.harness import SHARE_GPUS, gpu_env  # noqa: E402
+
 GiB, MiB = 1 << 30, 1 << 20
 OUT = ROOT / "results"
 
@@ -76,10 +78,6 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
         per_layer = sum(math.prod(s) * 2 for _, s in _layer(0))
         return [t for n in range(round(70e9 / per_layer)) for t in _layer(n)]
     raise ValueError(name)
-
-
-def _env(gpu: str) -> dict:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
 
 
 def _vllm_path() -> None:
@@ -319,8 +317,8 @@ def _results(out: str, err: str) -> list:
 
 def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
     """Run ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
-    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args], env=_env(str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args],
+                              env=gpu_env(str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -331,7 +329,7 @@ def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
 
 
 def _one(role: str, *args: str, timeout: float = 580) -> list:
-    p = subprocess.run([sys.executable, __file__, role, *args], env=_env("0"),
+    p = subprocess.run([sys.executable, __file__, role, *args], env=gpu_env("0"),
                        capture_output=True, text=True, timeout=timeout)
     if p.returncode:
         print(p.stdout[-3000:], p.stderr[-5000:], file=sys.stderr)
@@ -368,6 +366,9 @@ SPARSE_FRACTIONS = [0.01, 0.1, 0.5]
 def run(reps: int, quick: bool, only: str | None = None) -> dict:
     """Every stage's figures are saved as soon as they exist."""
     from jax_sender.harness import vllm_available
+    if os.environ.get(SHARE_GPUS):
+        sys.exit(f"unset {SHARE_GPUS}: ranks sharing a GPU talk over sockets, so their "
+                 "timings mean nothing")
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
     data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]

@@ -19,6 +19,28 @@ import time
 from collections.abc import Sequence
 
 VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
+SHARE_GPUS = "JAX_SENDER_SHARE_GPUS"
+
+
+def gpu_env(gpu: str | int) -> dict[str, str]:
+    """The environment of a child process on GPU ``gpu``: NVLS off (see the
+    README), output unbuffered so a dying child's last lines are kept.
+
+    With ``JAX_SENDER_SHARE_GPUS=n``, GPU ``g`` runs on physical GPU ``g % n``
+    and counts as a host of its own to NCCL (its own ``NCCL_HOSTID``, socket
+    transport on loopback), and JAX allocates on demand instead of taking 75%
+    of the GPU up front. NCCL refuses two ranks on one device of one host;
+    this is how the 4-rank tests run on 2 GPUs. Correct, not fast: never use
+    it for timings.
+    """
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), PYTHONUNBUFFERED="1",
+               NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    share = int(os.environ.get(SHARE_GPUS) or 0)
+    if share:
+        env.update(CUDA_VISIBLE_DEVICES=str(int(gpu) % share), NCCL_NET="Socket",
+                   NCCL_HOSTID=f"{socket.gethostname()}-gpu{gpu}", NCCL_SOCKET_IFNAME="lo",
+                   XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    return env
 
 
 def free_port() -> int:
@@ -157,8 +179,7 @@ class VLLMServer:
     def __enter__(self) -> str:
         import httpx
         port = free_port()
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpu, NCCL_NVLS_ENABLE="0",
-                   PYTHONUNBUFFERED="1")
+        env = gpu_env(self.gpu)
         cmd = ([sys.executable, "-m", "jax_sender.vllm_sparse", str(self.tree)] if self.sparse
                else [sys.executable, str(self.tree / "server.py"), "--nccl"])
         with open(self.output, "w") as out:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from .harness import gpu_env
 from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
 from .plan import LoadPlan
@@ -89,8 +89,7 @@ def start_workers(gpus: list[str], fault_args: list[str]) -> Workers:
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     w = Workers()
     for rank, gpu in enumerate(gpus):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, JVN_AUTHKEY=authkey.hex(),
-                   NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+        env = dict(gpu_env(gpu), JVN_AUTHKEY=authkey.hex())
         w.procs.append(subprocess.Popen(
             [sys.executable, "-m", "jax_sender.worker", "--port", str(listener.address[1]),
              "--worker-rank", str(rank), *fault_args], env=env))

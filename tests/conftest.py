@@ -3,6 +3,8 @@ import os
 import jax
 import pytest
 
+from jax_sender.harness import SHARE_GPUS
+
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The pytest process itself stays off the GPUs (XLA would preallocate 75% of
 # every one); GPU tests run their ranks as child processes, one GPU each.
@@ -23,11 +25,14 @@ def _gpu_count() -> int:
 
 
 GPUS = _gpu_count()
+# With JAX_SENDER_SHARE_GPUS the 4-rank tests share 2 GPUs (see harness.gpu_env).
+FOUR_RANKS = GPUS >= 4 or (GPUS >= 2 and bool(os.environ.get(SHARE_GPUS)))
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu4" in item.keywords and GPUS < 4:
-            item.add_marker(pytest.mark.skip(reason=f"needs 4 GPUs, found {GPUS}"))
+        if "gpu4" in item.keywords and not FOUR_RANKS:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs 4 GPUs (or 2 with {SHARE_GPUS}=2), found {GPUS}"))
         elif "gpu" in item.keywords and GPUS < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {GPUS}"))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jax_sender.harness import (ReferenceServer, VLLMServer, free_port, run_all,
+from jax_sender.harness import (ReferenceServer, VLLMServer, free_port, gpu_env, run_all,
                                 vllm_available)
 from uniqueid import UniqueId
 
@@ -20,12 +20,8 @@ SCENARIOS = str(ROOT / "tests" / "gpu_scenarios.py")
 pytestmark = pytest.mark.gpu
 
 
-def env_for(gpu: str) -> dict:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-
-
 def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
-    out = subprocess.run([sys.executable, SCENARIOS, name, *args], env=env_for(gpu),
+    out = subprocess.run([sys.executable, SCENARIOS, name, *args], env=gpu_env(gpu),
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -34,7 +30,7 @@ def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
 
 
 def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, SCENARIOS, name, *args], env=env_for(gpu),
+    return subprocess.Popen([sys.executable, SCENARIOS, name, *args], env=gpu_env(gpu),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
