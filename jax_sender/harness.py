@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -44,33 +46,65 @@ def gpu_env(gpu: str | int) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port free on every interface right now. Probed on the IPv6
-    wildcard where there is one: JAX's coordinator binds ``[::]:port``, and a
-    port free on 127.0.0.1 alone can still be taken there."""
+    """A TCP port free on every interface right now, for a server that a
+    child process will bind later (JAX's coordinator, a vLLM server).
+
+    Picked below the kernel's ephemeral range, so that no ``bind(port=0)`` and
+    no outgoing connection's source port can take it in between: a JAX peer
+    retrying its connect to the coordinator could otherwise get the very port
+    the coordinator is about to bind, which then fails ("Failed to add port to
+    server") and leaves the peer waiting out its timeout. Probed on the IPv6
+    wildcard where there is one, as JAX's coordinator binds ``[::]:port``.
+    """
     try:
-        s = socket.socket(socket.AF_INET6)
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
-        s.bind(("::", 0))
-    except OSError:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-    with s:
-        return s.getsockname()[1]
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(max(1024, low - 12288), low), 64) if low > 2048 else []
+    for port in candidates + [0]:
+        for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
+            try:
+                with socket.socket(family) as s:
+                    if family == socket.AF_INET6:
+                        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+                    s.bind((host, port))
+                    return s.getsockname()[1]
+            except OSError:
+                continue
+    raise OSError("no free TCP port")
 
 
 def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
-    """Wait for ``procs`` (text pipes) together, kill them all on the way out;
-    each must exit 0 and print ``OK``. Their outputs."""
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (out, err) in zip(procs, outs):
-        print(out[-2000:], err[-3000:])
-        if p.returncode != 0 or "OK" not in out:
-            raise RuntimeError(f"{p.args} exited {p.returncode} without OK:\n{out[-2000:]}\n"
-                               f"{err[-4000:]}")
+    """Wait for ``procs`` (text pipes) together; each must exit 0 and print
+    ``OK``. Their outputs. The first to fail, or ``timeout``, kills them all at
+    once (a peer left waiting would only hit its own deadline later), and the
+    error carries every process's output: the cause is often in the peer."""
+    outs = [("", "")] * len(procs)
+
+    def drain(i: int) -> None:
+        outs[i] = procs[i].communicate()
+
+    readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
+    for r in readers:
+        r.start()
+    deadline = time.monotonic() + timeout
+    why = ""
+    while not why and any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            why = "a process failed"
+        elif time.monotonic() > deadline:
+            why = f"not done within {timeout:.0f}s"
+        else:
+            time.sleep(0.1)
+    for p in procs:
+        p.kill()
+    for r in readers:
+        r.join(30)
+    report = [f"{p.args} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+              for p, (out, err) in zip(procs, outs)]
+    print("\n".join(report))
+    if why or any(p.returncode != 0 or "OK" not in out for p, (out, _) in zip(procs, outs)):
+        raise RuntimeError(f"{why or 'a process did not print OK'}:\n" + "\n".join(report))
     return [out for out, _ in outs]
 
 

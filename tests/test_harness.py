@@ -1,8 +1,13 @@
-"""The child-process environment that puts ranks on GPUs (``harness.gpu_env``)."""
+"""The harness's process plumbing: child environments, ports, running ranks together."""
+
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from jax_sender.harness import SHARE_GPUS, gpu_env
+from jax_sender.harness import SHARE_GPUS, free_port, gpu_env, run_all
 
 
 def test_one_rank_per_gpu_by_default(monkeypatch):
@@ -24,3 +29,49 @@ def test_shared_gpus_fold_ranks_and_give_each_its_own_host(monkeypatch, share):
     assert {(e["NCCL_NET"], e["NCCL_SOCKET_IFNAME"]) for e in envs} == {("Socket", "lo")}
     # Two JAX processes on one GPU cannot both take 75% of it up front.
     assert {e["XLA_PYTHON_CLIENT_PREALLOCATE"] for e in envs} == {"false"}
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    import pathlib
+    import socket
+    ports = pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not ports.exists():
+        pytest.skip("no Linux ephemeral port range to stay out of")
+    low = int(ports.read_text().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 1024 <= port < low  # no bind(0) or outgoing connection can take it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def _child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_run_all_returns_every_output():
+    assert run_all([_child("print('OK a')"), _child("print('OK b')")], 30) == ["OK a\n", "OK b\n"]
+
+
+def test_a_failing_process_kills_its_waiting_peer_at_once():
+    waiter = _child("import time; print('waiting', flush=True); time.sleep(60)")
+    t = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_all([waiter, _child("raise SystemExit('coordinator: port taken')")], 50)
+    assert time.monotonic() - t < 20 and waiter.returncode == -signal.SIGKILL
+    # The error names the failure and keeps the peer's output too.
+    assert "a process failed" in str(err.value) and "port taken" in str(err.value)
+    assert "waiting" in str(err.value)
+
+
+def test_run_all_kills_everything_at_its_deadline():
+    procs = [_child("import time; time.sleep(60)") for _ in range(2)]
+    with pytest.raises(RuntimeError, match="not done within 2s"):
+        run_all(procs, 2)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+
+
+def test_exiting_zero_without_ok_is_a_failure():
+    with pytest.raises(RuntimeError, match="did not print OK"):
+        run_all([_child("print('fine')")], 30)
