@@ -1,6 +1,6 @@
 """Weight-push throughput, latency and memory, next to baselines measured in the same run.
 
-    python benches/bench.py [--reps 5] [--quick] [--only sparse]  # >= 2 GPUs
+    python benches/bench.py [--reps 5] [--quick] [--only dense|servers|sparse]  # >= 2 GPUs
     python benches/bench.py --plot results/bench.json  # redraw the plot elsewhere
 
 GPU 0 is the trainer, GPU 1 the receiver. Rows:
@@ -371,16 +371,21 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
                  "timings mean nothing")
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
+    four = _gpu_count() >= 4
+    if only == "servers" and not four:
+        sys.exit("--only servers needs 4 GPUs")
     data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]
     vllm = vllm_available()
-    if only != "sparse":
+    data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
+    if only in (None, "dense"):
         _dense(data, reps, quick, vllm, save)
-        if _gpu_count() >= 4:
-            _servers(data, reps, vllm, save)
-    with _server("1", vllm, sparse=True) as url:
-        data["sparse_target"] = ("vLLM 0.33.0 sparse_nccl engine" if vllm
-                                 else "reference receiver, sparse_nccl")
-        data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
+    if only in (None, "servers") and four:
+        _servers(data, reps, vllm, save)
+    if only in (None, "sparse"):
+        with _server("1", vllm, sparse=True) as url:
+            data["sparse_target"] = ("vLLM 0.33.0 sparse_nccl engine" if vllm
+                                     else "reference receiver, sparse_nccl")
+            data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
     save()
     return data
 
@@ -427,7 +432,6 @@ def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
     extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
     with _server("1", vllm) as url:
-        data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
         data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
         save()
         if vllm:
@@ -593,7 +597,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
-    ap.add_argument("--only", choices=["sparse"], help="the raw baseline and this stage only")
+    ap.add_argument("--only", choices=["dense", "servers", "sparse"],
+                    help="the raw baseline and this stage only (servers: 4 GPUs)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
     ap.add_argument("--out", default=str(OUT), help="results folder (default: results/)")
     args = ap.parse_args()
