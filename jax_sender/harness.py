@@ -8,6 +8,7 @@ behind holding a GPU.
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import random
@@ -62,16 +63,30 @@ def free_port() -> int:
         low = 0
     candidates = random.sample(range(max(1024, low - 12288), low), 64) if low > 2048 else []
     for port in candidates + [0]:
-        for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
-            try:
-                with socket.socket(family) as s:
-                    if family == socket.AF_INET6:
-                        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
-                    s.bind((host, port))
-                    return s.getsockname()[1]
-            except OSError:
-                continue
+        if (bound := _bind_and_release(port)) is not None:
+            return bound
     raise OSError("no free TCP port")
+
+
+def _bind_and_release(port: int) -> int | None:
+    """Bind ``port`` (0: any) on the dual-stack IPv6 wildcard, or on
+    127.0.0.1 where the host has no IPv6; the port bound, or None if taken."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.1")):
+        try:
+            s = socket.socket(family)
+        except OSError:
+            continue  # no IPv6 support at all
+        with s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 turned off
+                return None
+            return s.getsockname()[1]
+    return None
 
 
 def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:

@@ -75,3 +75,15 @@ def test_run_all_kills_everything_at_its_deadline():
 def test_exiting_zero_without_ok_is_a_failure():
     with pytest.raises(RuntimeError, match="did not print OK"):
         run_all([_child("print('fine')")], 30)
+
+
+def test_a_port_taken_on_ipv4_alone_counts_as_taken():
+    """JAX's coordinator binds ``[::]:port``, which a 127.0.0.1 listener blocks."""
+    import socket
+
+    from jax_sender.harness import _bind_and_release
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        assert _bind_and_release(held.getsockname()[1]) is None
+    assert _bind_and_release(0)
