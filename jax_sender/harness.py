@@ -136,11 +136,13 @@ class ReferenceServer:
     """``with ReferenceServer(gpus=["1"]) as url: ...``"""
 
     def __init__(self, gpus: Sequence[str | int] = (), *, fail_load_after: int = -1,
-                 load_delay: float = 0.0, backend: str = "nccl", start_timeout: float = 300.0):
+                 load_delay: float = 0.0, refuse_updates: int = 0, backend: str = "nccl",
+                 start_timeout: float = 300.0):
         self.gpus = [str(g) for g in gpus]
         self.backend = backend
         self.fail_load_after = fail_load_after
         self.load_delay = load_delay
+        self.refuse_updates = refuse_updates
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -151,7 +153,8 @@ class ReferenceServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
              "--backend", self.backend, "--fail-load-after", str(self.fail_load_after),
-             "--load-delay", str(self.load_delay)],
+             "--load-delay", str(self.load_delay),
+             "--refuse-updates", str(self.refuse_updates)],
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None

@@ -254,10 +254,12 @@ def main() -> None:
                     help="like vLLM's --weight-transfer-config backend, fixed at launch")
     ap.add_argument("--fail-load-after", default="-1", help="fault injection, see worker.py")
     ap.add_argument("--load-delay", default="0", help="fault injection, see worker.py")
+    ap.add_argument("--refuse-updates", default="0", help="fault injection, see worker.py")
     args = ap.parse_args()
     gpus = [g for g in args.gpus.split(",") if g]
     workers = start_workers(gpus, ["--fail-load-after", args.fail_load_after,
-                                   "--load-delay", args.load_delay])
+                                   "--load-delay", args.load_delay,
+                                   "--refuse-updates", args.refuse_updates])
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers, args.backend)))
     server.daemon_threads = True
     print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)

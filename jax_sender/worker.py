@@ -33,6 +33,21 @@ def _faulty(load: Callable, fail_after: int, delay: float) -> Callable:
     return faulty
 
 
+def _refusing(receive: Callable, count: int) -> Callable:
+    """``receive`` that raises before any collective on its first ``count``
+    calls, as vLLM's worker does with an update it rejects up front."""
+    calls = 0
+
+    def refusing(info):
+        nonlocal calls
+        calls += 1
+        if calls <= count:
+            raise ValueError("injected refusal of /update_weights before any collective")
+        return receive(info)
+
+    return refusing
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
@@ -41,6 +56,8 @@ def main() -> None:
                     help="fault injection: load_weights raises once, past this many tensors")
     ap.add_argument("--load-delay", type=float, default=0.0,
                     help="fault injection: load_weights sleeps this long per call")
+    ap.add_argument("--refuse-updates", type=int, default=0,
+                    help="fault injection: refuse this many updates before any collective")
     args = ap.parse_args()
     conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["JVN_AUTHKEY"]))
 
@@ -51,6 +68,8 @@ def main() -> None:
     worker = ReferenceWorker(0, worker_rank=args.worker_rank)
     if args.fail_load_after >= 0 or args.load_delay:
         worker.load_weights = _faulty(worker.load_weights, args.fail_load_after, args.load_delay)
+    if args.refuse_updates:
+        worker.receive = _refusing(worker.receive, args.refuse_updates)
     methods = {
         "init": lambda p: worker.init(InitInfo.from_payload(p)),
         "receive": lambda p: worker.receive(UpdateInfo.from_payload(p)),

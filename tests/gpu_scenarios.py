@@ -268,6 +268,28 @@ def load_fails(mode: str) -> None:
           f"next push bit-exact")
 
 
+def refused(mode: str) -> None:
+    """The worker refuses ``/update_weights`` before any collective (HTTP 500)
+    while the trainer broadcasts: the send fails on that answer, long before
+    its deadline, instead of waiting in NCCL for a peer that never comes."""
+    from jax_sender import WeightSender
+    from jax_sender.harness import ReferenceServer
+    with ReferenceServer(["1"], refuse_updates=1) as url:
+        sender = WeightSender.connect(url, packed=mode == "packed",
+                                      packed_buffer_size_bytes=1 << 20)
+        sender.timeout = 120.0  # only the HTTP answer can end the send early
+        pairs = _test_tensors(2)
+        took, msg = _expect_send_error(sender, pairs, 20)
+        assert "injected refusal" in msg, msg
+        sender.reconnect()
+        sender.send(pairs, weight_version="after")
+        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        assert ans["match"], ans["mismatches"][:5]
+        sender.close()
+    print(f"OK {mode}: update refused before any collective, SendError after {took:.2f}s "
+          f"(deadline 120s): {msg[:200]}; after reconnect the next push is bit-exact")
+
+
 def interrupted(mode: str) -> None:
     """Ctrl-C (SIGINT) while the sender waits on a stalled receiver."""
     import signal

@@ -106,6 +106,11 @@ def test_three_receivers_killed_mid_transfer(mode):
 
 
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_update_refused_before_any_collective_fails_fast(mode):
+    print(run("refused", mode, timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
 def test_stalled_receiver_hits_the_deadline(mode):
     print(run("stalled", mode, timeout=180))
 
