@@ -318,7 +318,8 @@ def _results(out: str, err: str) -> list:
 def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
     """Run ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
     procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args],
-                              env=gpu_env(str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=gpu_env(str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

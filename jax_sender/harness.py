@@ -115,11 +115,10 @@ def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
         p.kill()
     for r in readers:
         r.join(30)
-    report = [f"{p.args} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
-              for p, (out, err) in zip(procs, outs)]
-    print("\n".join(report))
     if why or any(p.returncode != 0 or "OK" not in out for p, (out, _) in zip(procs, outs)):
-        raise RuntimeError(f"{why or 'a process did not print OK'}:\n" + "\n".join(report))
+        raise RuntimeError(f"{why or 'a process did not print OK'}:\n" + "\n".join(
+            f"{p.args} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+            for p, (out, err) in zip(procs, outs)))
     return [out for out, _ in outs]
 
 
@@ -140,9 +139,8 @@ class ReferenceServer:
                  start_timeout: float = 300.0):
         self.gpus = [str(g) for g in gpus]
         self.backend = backend
-        self.fail_load_after = fail_load_after
-        self.load_delay = load_delay
-        self.refuse_updates = refuse_updates
+        self.fault_args = ["--fail-load-after", str(fail_load_after), "--load-delay",
+                           str(load_delay), "--refuse-updates", str(refuse_updates)]
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -152,9 +150,7 @@ class ReferenceServer:
                    PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
-             "--backend", self.backend, "--fail-load-after", str(self.fail_load_after),
-             "--load-delay", str(self.load_delay),
-             "--refuse-updates", str(self.refuse_updates)],
+             "--backend", self.backend, *self.fault_args],
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None

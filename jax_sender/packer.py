@@ -207,7 +207,6 @@ class Broadcaster:
                          timeout, check)
         self.drain(timeout, check)
 
-
     def discard(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk] | None, root: int,
                 *, timeout: float | None, check: Check) -> None:
         """Take part in another trainer rank's turn: receive its chunks (or, with

@@ -26,9 +26,9 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from .harness import gpu_env
 from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
+from .harness import gpu_env
 from .plan import LoadPlan
 
 RPC_TIMEOUT = 3600.0
@@ -260,7 +260,8 @@ def main() -> None:
     workers = start_workers(gpus, ["--fail-load-after", args.fail_load_after,
                                    "--load-delay", args.load_delay,
                                    "--refuse-updates", args.refuse_updates])
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(State(workers, args.backend)))
+    server = ThreadingHTTPServer(("127.0.0.1", args.port),
+                                 make_handler(State(workers, args.backend)))
     server.daemon_threads = True
     print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:

@@ -75,8 +75,8 @@ def test_two_trainer_processes(layout, mode):
     """Two JAX processes (GPUs 0, 1) -> one server with two workers (GPUs 2, 3)."""
     port = str(free_port())
     with ReferenceServer(["2", "3"]) as url:
-        run_all([start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
-                 for p in (0, 1)], 300)
+        print(*run_all([start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
+                        for p in (0, 1)], 300))
 
 
 @pytest.mark.parametrize("layout", ["stages", "fsdp"])
