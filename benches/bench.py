@@ -44,7 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jax_sender.harness import SHARE_GPUS, gpu_env  # noqa: E402
+from jax_sender.harness import SHARE_GPUS, gpu_env, run_all  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 OUT = ROOT / "results"
@@ -308,7 +308,7 @@ def role_torch(url: str, jobs: str) -> None:
 
 # -- orchestration -------------------------------------------------------------
 
-def _results(out: str, err: str) -> list:
+def _results(out: str, err: str = "") -> list:
     found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     if not found:
         raise RuntimeError(f"no result:\n{out[-2000:]}\n{err[-4000:]}")
@@ -321,12 +321,7 @@ def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
                               env=gpu_env(str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for r in range(n)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [_results(*o) for o in outs]
+    return [_results(out) for out in run_all(procs, timeout, expect="RESULT ")]
 
 
 def _one(role: str, *args: str, timeout: float = 580) -> list:

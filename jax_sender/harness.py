@@ -89,9 +89,9 @@ def _bind_and_release(port: int) -> int | None:
     return None
 
 
-def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
+def run_all(procs: Sequence[subprocess.Popen], timeout: float, expect: str = "OK") -> list[str]:
     """Wait for ``procs`` (text pipes) together; each must exit 0 and print
-    ``OK``. Their outputs. The first to fail, or ``timeout``, kills them all at
+    ``expect``. Their outputs. The first to fail, or ``timeout``, kills them all at
     once (a peer left waiting would only hit its own deadline later), and the
     error carries every process's output: the cause is often in the peer."""
     outs = [("", "")] * len(procs)
@@ -115,8 +115,8 @@ def run_all(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
         p.kill()
     for r in readers:
         r.join(30)
-    if why or any(p.returncode != 0 or "OK" not in out for p, (out, _) in zip(procs, outs)):
-        raise RuntimeError(f"{why or 'a process did not print OK'}:\n" + "\n".join(
+    if why or any(p.returncode != 0 or expect not in out for p, (out, _) in zip(procs, outs)):
+        raise RuntimeError(f"{why or f'a process did not print {expect}'}:\n" + "\n".join(
             f"{p.args} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
             for p, (out, err) in zip(procs, outs)))
     return [out for out, _ in outs]

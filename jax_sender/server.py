@@ -15,14 +15,16 @@ worker and only validates requests (for CPU tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -32,6 +34,7 @@ from .harness import gpu_env
 from .plan import LoadPlan
 
 RPC_TIMEOUT = 3600.0
+START_TIMEOUT = 300.0
 
 
 class HTTPError(Exception):
@@ -83,8 +86,14 @@ class Workers:
                 p.kill()
 
 
-def start_workers(gpus: list[str], fault_args: list[str]) -> Workers:
-    """One worker process per GPU; ``fault_args`` go to each (see ``worker.py``)."""
+def start_workers(gpus: list[str], fault_args: list[str],
+                  timeout: float = START_TIMEOUT) -> Workers:
+    """One worker process per GPU; ``fault_args`` go to each (see ``worker.py``).
+
+    A worker that exits, or is not ready within ``timeout``, fails the start
+    at once: ``Listener.accept`` has no timeout of its own, so a watcher wakes
+    it by connecting itself.
+    """
     authkey = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     w = Workers()
@@ -93,13 +102,36 @@ def start_workers(gpus: list[str], fault_args: list[str]) -> Workers:
         w.procs.append(subprocess.Popen(
             [sys.executable, "-m", "jax_sender.worker", "--port", str(listener.address[1]),
              "--worker-rank", str(rank), *fault_args], env=env))
-    for _ in gpus:
-        conn = listener.accept()
-        if not conn.poll(300):
-            raise TimeoutError("a worker did not start within 300s")
-        conn.recv()
-        w.conns.append(conn)
-    listener.close()
+    failure: list[str] = []
+    ready = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.2):
+            dead = [(i, p.returncode) for i, p in enumerate(w.procs) if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                failure.append(f"worker {dead[0][0]} exited with status {dead[0][1]} before "
+                               "it was ready" if dead else
+                               f"the workers were not ready within {timeout:.0f}s")
+                with contextlib.suppress(OSError, EOFError):
+                    Client(listener.address, authkey=authkey).close()
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        while len(w.conns) < len(gpus) and not failure:
+            conn = listener.accept()
+            while not failure and not conn.poll(0.2):
+                pass
+            if not failure:
+                conn.recv()
+                w.conns.append(conn)
+    finally:
+        ready.set()
+        listener.close()
+    if failure:
+        w.stop()
+        raise RuntimeError(f"{failure[0]}; the worker's output above says why")
     return w
 
 

@@ -77,6 +77,37 @@ def test_exiting_zero_without_ok_is_a_failure():
         run_all([_child("print('fine')")], 30)
 
 
+def test_run_all_waits_for_the_marker_it_is_given():
+    assert run_all([_child("print('RESULT 1')")], 30, expect="RESULT ") == ["RESULT 1\n"]
+    with pytest.raises(RuntimeError, match="did not print RESULT"):
+        run_all([_child("print('OK')")], 30, expect="RESULT ")
+
+
+# -- the reference server's worker start (no GPU: the workers fail first) -----
+
+def test_a_worker_that_exits_fails_the_start_at_once():
+    from jax_sender.server import start_workers
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker 0 exited with status 2 before it was ready"):
+        start_workers(["0"], ["--no-such-flag"], timeout=120)
+    assert time.monotonic() - t < 60
+
+
+def test_a_worker_that_never_connects_fails_the_start_at_its_deadline():
+    """The worker dials a port that accepts but never answers, so it neither
+    connects nor exits: only the deadline can end the start."""
+    import socket
+
+    from jax_sender.server import start_workers
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="not ready within 3s"):
+            start_workers(["0"], ["--port", str(mute.getsockname()[1])], timeout=3)
+        assert time.monotonic() - t < 20
+
+
 def test_a_port_taken_on_ipv4_alone_counts_as_taken():
     """JAX's coordinator binds ``[::]:port``, which a 127.0.0.1 listener blocks."""
     import socket
