@@ -130,16 +130,10 @@ class Broadcaster:
             self._retire_oldest(timeout, check)
 
     def _launch(self, ptr: int, count: int, dtype: str, root: int, region, keep,
-                timeout: float | None, check: Check,
-                meanwhile: Callable[[], None] = lambda: None) -> None:
-        """Enqueue one broadcast. ``meanwhile`` runs while NCCL launches it
-        (from a thread of its own on a non-blocking communicator), so host
-        work there costs no time per broadcast."""
+                timeout: float | None, check: Check) -> None:
         self.started = self.started or time.perf_counter()
         self.comm.broadcast(ptr, count=count, dtype=dtype, root=root,
-                            stream=self.nccl_stream, timeout=timeout, defer_settle=True)
-        meanwhile()
-        self.comm.settle(timeout, check, call="ncclBroadcast")
+                            stream=self.nccl_stream, timeout=timeout)
         self._inflight.append(_InFlight(self._event(self.nccl_stream), region, keep))
         check()
 
@@ -202,19 +196,15 @@ class Broadcaster:
 
     def unpacked(self, metas: Sequence[TensorMeta], get: Callable[[int], jax.Array],
                  root: int, *, timeout: float | None, check: Check) -> None:
-        """One broadcast per tensor, straight from its JAX buffer, in its own
-        dtype; each next tensor is fetched while NCCL launches the one before."""
+        """One broadcast per tensor, straight from its JAX buffer, in its own dtype."""
         self.started, self.host_s = 0.0, 0.0
         window = max(self.num_buffers, 8)
-        ready = [self._timed(get, 0)] if metas else []
         for i, m in enumerate(metas):
             while len(self._inflight) >= window:
                 self._retire_oldest(timeout, check)
-            arr = ready.pop()
-            fetch = ((lambda j=i + 1: ready.append(self._timed(get, j)))
-                     if i + 1 < len(metas) else (lambda: None))
+            arr = self._timed(get, i)
             self._launch(buffer_pointer(arr), m.numel, m.dtype, root, None, [arr],
-                         timeout, check, fetch)
+                         timeout, check)
         self.drain(timeout, check)
 
     def discard(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk] | None, root: int,

@@ -254,22 +254,13 @@ class Communicator:
         return self._query("ncclCommUserRank")
 
     # -- collectives ----------------------------------------------------
-    def _enqueue(self, call: str, rc: int, timeout: float | None, defer: bool = False) -> None:
+    def _enqueue(self, call: str, rc: int, timeout: float | None) -> None:
         if rc not in (SUCCESS, IN_PROGRESS):
             err = make_error(rc, call, self._handle)
             self.abort(f"{call} failed")
             raise err
-        if rc == IN_PROGRESS and not _in_group() and not defer:
-            self.settle(timeout, call=call)
-
-    def settle(self, timeout: float | None = DEFAULT_OP_TIMEOUT,
-               check: Callable[[], None] | None = None, *, call: str = "NCCL call") -> None:
-        """Wait until NCCL has enqueued the last call's work on its stream
-        (a non-blocking communicator does that in a thread of its own); a
-        no-op on a blocking one. Aborts past ``timeout`` or when ``check`` raises."""
-        if not self.blocking:
-            self._settle(call, timeout, "a peer did not take part (connection setup stalled)",
-                         check)
+        if rc == IN_PROGRESS and not _in_group():
+            self._settle(call, timeout, "a peer did not take part (connection setup stalled)")
 
     def _buffers(self, send: Any, recv: Any, count: int | None, dtype: Any,
                  stream: Any) -> tuple[DeviceBuffer, DeviceBuffer]:
@@ -280,14 +271,8 @@ class Communicator:
 
     def broadcast(self, send: Any, recv: Any = None, *, root: int, count: int | None = None,
                   dtype: Any = None, stream: Any = None,
-                  timeout: float | None = DEFAULT_OP_TIMEOUT, defer_settle: bool = False) -> None:
-        """``ncclBroadcast`` from ``root``; in place when ``recv`` is None.
-
-        ``defer_settle``: return while a non-blocking communicator is still
-        enqueuing, so the caller can do host work meanwhile; it must call
-        ``settle()`` before its next call on this communicator, and before
-        recording an event on ``stream`` (the broadcast is not on it yet).
-        """
+                  timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
+        """``ncclBroadcast`` from ``root``; in place when ``recv`` is None."""
         sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
         if not 0 <= root < self.nranks:
             raise ValueError(f"root {root} is out of range for {self.nranks} ranks")
@@ -295,7 +280,7 @@ class Communicator:
         rc = load_library().ncclBroadcast(
             ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
             nccl_type(sbuf.dtype, nccl_version()[1]), root, self._live(), _stream_arg(stream))
-        self._enqueue("ncclBroadcast", rc, timeout, defer_settle)
+        self._enqueue("ncclBroadcast", rc, timeout)
 
     def all_reduce(self, send: Any, recv: Any = None, *, op: str = "sum",
                    count: int | None = None, dtype: Any = None, stream: Any = None,
