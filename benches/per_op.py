@@ -1,0 +1,126 @@
+"""Where an unpacked send's time goes: the per-broadcast cost of a non-blocking
+communicator against a blocking one, next to the raw 1 GiB baseline.
+
+    python benches/per_op.py [--reps 5]  # >= 2 GPUs
+
+GPU 0 broadcasts the ``qwen3-8b`` tensor sizes (399 bf16 broadcasts, one per
+tensor, as an unpacked send does) to GPU 1 through this project's binding,
+from one pre-allocated buffer, at most 8 in flight; the receiver is a
+blocking communicator, as vLLM's is. No HTTP, no JAX packing, no vLLM:
+only the NCCL calls and the waits around them. The sender's communicator is
+
+- non-blocking, as ``WeightSender`` uses it (every wait abortable): NCCL
+  2.28 launches each call from a thread of its own and answers
+  ``ncclInProgress``, and the next call must wait for that thread;
+- blocking: the call launches in the caller's thread.
+
+Each row: median and best of ``--reps`` after one warm-up, GB/s, the ratio
+to raw, and the sender's host time per broadcast inside ``broadcast()``
+(the NCCL call plus, when non-blocking, the wait for its launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+
+from bench import GiB, _emit, _results, _uid, workload
+from jax_sender.harness import gpu_env, run_all
+
+WINDOW = 8
+
+
+def _pass(comm, ptr: int, counts: list[int], stream, events: list) -> tuple[float, float]:
+    """One pass over ``counts``; (its seconds, seconds spent inside ``broadcast``)."""
+    from nccl_cffi import cuda
+    inflight: deque = deque()
+    in_call = 0.0
+    t0 = time.perf_counter()
+    for n in counts:
+        if len(inflight) >= WINDOW:
+            ev = inflight.popleft()
+            comm.wait_event(ev, 60, "broadcast")
+            events.append(ev)
+        t = time.perf_counter()
+        comm.broadcast(ptr, count=n, dtype="bfloat16", root=0, stream=stream, timeout=60)
+        in_call += time.perf_counter() - t
+        inflight.append((events.pop() if events else cuda.Event(comm.device)).record(stream))
+    comm.wait(stream, 60)
+    events.extend(inflight)
+    return time.perf_counter() - t0, in_call
+
+
+def role_rank(rank: str, uids: str, reps: str) -> None:
+    import jax.numpy as jnp
+
+    from jax_sender.packer import buffer_pointer
+    from nccl_cffi import Communicator, cuda
+    from uniqueid import UniqueId, warm_up
+    counts = [math.prod(s) for _, s in workload("qwen3-8b")]
+    buf = jnp.zeros((2 * max(counts),), jnp.uint8).block_until_ready()
+    ptr, stream, events = buffer_pointer(buf), cuda.Stream(0), []
+    flag = jnp.zeros((1,), jnp.float32).block_until_ready()
+    out = {}
+    for label, uid in json.loads(uids).items():
+        blocking = rank == "1" or label == "blocking"
+        comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0,
+                                      blocking=blocking, timeout=None if blocking else 120)
+        warm_up(comm, 60)
+        rows = []
+        for _ in range(int(reps) + 1):
+            comm.all_reduce(flag, stream=stream, timeout=60)  # both ranks start together
+            comm.wait(stream, 60)
+            rows.append(_pass(comm, ptr, counts, stream, events))
+        out[label] = rows[1:]
+        comm.destroy()
+    _emit(dict(out, bytes=2 * sum(counts), ops=len(counts)))
+
+
+def role_raw(*args: str) -> None:
+    import bench
+    bench.role_raw(*args)
+
+
+def _ranks(role: str, *args: str) -> list:
+    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args],
+                              env=gpu_env(str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return [_results(out)[0] for out in run_all(procs, 300, "RESULT ")]
+
+
+def report(raw: list[float], data: dict) -> str:
+    raw_gbs = GiB / statistics.median(raw) / 1e9
+    lines = ["| sender communicator | median ms | best ms | median GB/s | ratio to raw "
+             "| host us per broadcast() |", "| --- | --- | --- | --- | --- | --- |",
+             f"| raw ncclBroadcast 1 GiB (baseline) | {statistics.median(raw) * 1e3:.2f} "
+             f"| {min(raw) * 1e3:.2f} | {raw_gbs:.1f} | 1.00 | |"]
+    for label in ("non-blocking", "blocking"):
+        total = [t for t, _ in data[label]]
+        med = statistics.median(total)
+        call = statistics.median(c for _, c in data[label]) / data["ops"] * 1e6
+        gbs = data["bytes"] / med / 1e9
+        lines.append(f"| {label}, {data['ops']} broadcasts | {med * 1e3:.2f} "
+                     f"| {min(total) * 1e3:.2f} | {gbs:.1f} | {gbs / raw_gbs:.2f} | {call:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    reps = str(ap.parse_args().reps)
+    raw = _ranks("role_raw", "2", _uid(), reps)[0]
+    uids = json.dumps({"non-blocking": _uid(), "blocking": _uid()})
+    print(report(raw, _ranks("role_rank", uids, reps)[0]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1].startswith("role_"):
+        globals()[sys.argv[1]](*sys.argv[2:])
+    else:
+        main()
