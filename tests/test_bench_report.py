@@ -50,3 +50,15 @@ def test_three_server_rows_compare_one_broadcast_with_pushes_in_turn(tmp_path):
     assert "| one broadcast -> 3 servers (1 -> 3 receivers) | 0.0550 | 0.0500 | 290.9 | 1.08 |" \
         in table
     assert "3.00 x the one broadcast's time" in table
+
+
+def test_per_op_report_puts_each_communicator_next_to_raw():
+    sys.path.insert(0, str(ROOT / "benches"))
+    import per_op
+    # 1 GiB in 2.5 ms is 429.5 GB/s; 8 GB in 25 ms is 320 GB/s.
+    data = {"non-blocking": [(0.025, 0.004)] * 3, "blocking": [(0.02, 0.001), (0.03, 0.002)],
+            "bytes": 8_000_000_000, "ops": 100}
+    rows = per_op.report([0.0025, 0.003, 0.002], data).splitlines()
+    assert rows[2] == "| raw ncclBroadcast 1 GiB (baseline) | 2.50 | 2.00 | 429.5 | 1.00 | |"
+    assert rows[3] == "| non-blocking, 100 broadcasts | 25.00 | 25.00 | 320.0 | 0.75 | 40.0 |"
+    assert rows[4] == "| blocking, 100 broadcasts | 25.00 | 20.00 | 320.0 | 0.75 | 15.0 |"
