@@ -124,14 +124,17 @@ def start_workers(gpus: list[str], fault_args: list[str],
             while not failure and not conn.poll(0.2):
                 pass
             if not failure:
-                conn.recv()
+                conn.recv()  # EOFError if the worker died after connecting
                 w.conns.append(conn)
+        if failure:
+            raise RuntimeError(f"{failure[0]}; the worker's output above says why")
+    except BaseException:
+        ready.set()
+        w.stop()
+        raise
     finally:
         ready.set()
         listener.close()
-    if failure:
-        w.stop()
-        raise RuntimeError(f"{failure[0]}; the worker's output above says why")
     return w
 
 
