@@ -44,7 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jax_sender.harness import SHARE_GPUS, gpu_env, run_all  # noqa: E402
+from jax_sender.harness import SHARE_GPUS, gpu_count, gpu_env, run_all  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 OUT = ROOT / "results"
@@ -315,9 +315,9 @@ def _results(out: str, err: str = "") -> list:
     return found
 
 
-def _ranks(role: str, n: int, *args: str, timeout: float = 300) -> list:
-    """Run ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
-    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args],
+def _ranks(role: str, n: int, *args: str, timeout: float = 300, script: str = __file__) -> list:
+    """Run ``script``'s ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
+    procs = [subprocess.Popen([sys.executable, script, role, str(r), *args],
                               env=gpu_env(str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for r in range(n)]
@@ -367,7 +367,7 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
                  "timings mean nothing")
     data: dict = {"reps": reps}
     save = lambda: (OUT / "bench.json").write_text(json.dumps(data, indent=1))  # noqa: E731
-    four = _gpu_count() >= 4
+    four = gpu_count() >= 4
     if only == "servers" and not four:
         sys.exit("--only servers needs 4 GPUs")
     data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]
@@ -395,13 +395,6 @@ def _server(gpu: str, vllm: bool, sparse: bool = False):
     name = f"vllm_{'sparse_' * sparse}server_{gpu}"
     return VLLMServer(gpu, output=OUT / f"{name}.log",
                       requests=pathlib.Path(f"/tmp/bench_{name}.jsonl"), sparse=sparse)
-
-
-def _gpu_count() -> int:
-    code = "from nccl_cffi.cuda import device_count; print(device_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
-    return int(out.stdout.strip() or 0)
 
 
 def _servers(data: dict, reps: int, vllm: bool, save) -> None:

@@ -25,13 +25,11 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
 
-from bench import GiB, _emit, _results, _uid, workload
-from jax_sender.harness import gpu_env, run_all
+from bench import GiB, _emit, _ranks, _uid, workload
 
 WINDOW = 8
 
@@ -82,18 +80,6 @@ def role_rank(rank: str, uids: str, reps: str) -> None:
     _emit(dict(out, bytes=2 * sum(counts), ops=len(counts)))
 
 
-def role_raw(*args: str) -> None:
-    import bench
-    bench.role_raw(*args)
-
-
-def _ranks(role: str, *args: str) -> list:
-    procs = [subprocess.Popen([sys.executable, __file__, role, str(r), *args],
-                              env=gpu_env(str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    return [_results(out)[0] for out in run_all(procs, 300, "RESULT ")]
-
-
 def report(raw: list[float], data: dict) -> str:
     raw_gbs = GiB / statistics.median(raw) / 1e9
     lines = ["| sender communicator | median ms | best ms | median GB/s | ratio to raw "
@@ -114,9 +100,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     reps = str(ap.parse_args().reps)
-    raw = _ranks("role_raw", "2", _uid(), reps)[0]
+    raw = _ranks("role_raw", 2, "2", _uid(), reps)[0][0]
     uids = json.dumps({"non-blocking": _uid(), "blocking": _uid()})
-    print(report(raw, _ranks("role_rank", uids, reps)[0]))
+    print(report(raw, _ranks("role_rank", 2, uids, reps, script=__file__)[0][0]))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,27 @@ VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
 SHARE_GPUS = "JAX_SENDER_SHARE_GPUS"
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child process: NVLS off unless set (see the
+    README), output unbuffered so a dying child's last lines are kept."""
+    return dict(os.environ, PYTHONUNBUFFERED="1",
+                NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+
+
+def gpu_count() -> int:
+    """CUDA devices visible here, counted in a child process so this one
+    never initialises CUDA; 0 where there is no driver."""
+    code = "from nccl_cffi.cuda import device_count; print(device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, cwd=pathlib.Path(__file__).resolve().parent.parent)
+        return int(out.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
+
+
 def gpu_env(gpu: str | int) -> dict[str, str]:
-    """The environment of a child process on GPU ``gpu``: NVLS off (see the
-    README), output unbuffered so a dying child's last lines are kept.
+    """``child_env()`` for a child process on GPU ``gpu``.
 
     With ``JAX_SENDER_SHARE_GPUS=n``, GPU ``g`` runs on physical GPU ``g % n``
     and counts as a host of its own to NCCL (its own ``NCCL_HOSTID``, socket
@@ -36,8 +54,7 @@ def gpu_env(gpu: str | int) -> dict[str, str]:
     this is how the 4-rank tests run on 2 GPUs. Correct, not fast: never use
     it for timings.
     """
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), PYTHONUNBUFFERED="1",
-               NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    env = dict(child_env(), CUDA_VISIBLE_DEVICES=str(gpu))
     share = int(os.environ.get(SHARE_GPUS) or 0)
     if share:
         env.update(CUDA_VISIBLE_DEVICES=str(int(gpu) % share), NCCL_NET="Socket",
@@ -146,12 +163,10 @@ class ReferenceServer:
         self.url = ""
 
     def start(self) -> str:
-        env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"),
-                   PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
              "--backend", self.backend, *self.fault_args],
-            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            stdout=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

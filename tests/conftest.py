@@ -3,7 +3,7 @@ import os
 import jax
 import pytest
 
-from jax_sender.harness import SHARE_GPUS
+from jax_sender.harness import SHARE_GPUS, gpu_count
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The pytest process itself stays off the GPUs (XLA would preallocate 75% of
@@ -12,19 +12,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 jax.config.update("jax_platforms", "cpu")
 
 
-def _gpu_count() -> int:
-    import subprocess
-    import sys
-    code = "from nccl_cffi.cuda import device_count; print(device_count())"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120)
-        return int(out.stdout.strip() or 0)
-    except Exception:
-        return 0
-
-
-GPUS = _gpu_count()
+GPUS = gpu_count()
 # With JAX_SENDER_SHARE_GPUS the 4-rank tests share 2 GPUs (see harness.gpu_env).
 FOUR_RANKS = GPUS >= 4 or (GPUS >= 2 and bool(os.environ.get(SHARE_GPUS)))
 

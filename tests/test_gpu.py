@@ -4,15 +4,14 @@ GPU 0 is the trainer; receivers take GPUs 1..3. Every child has a timeout
 and every server is killed with its process group, so a failure never hangs.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from jax_sender.harness import (ReferenceServer, VLLMServer, free_port, gpu_env, run_all,
-                                vllm_available)
+from jax_sender.harness import (ReferenceServer, VLLMServer, child_env, free_port, gpu_env,
+                                run_all, vllm_available)
 from uniqueid import UniqueId
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -140,8 +139,8 @@ def test_sparse_patches_are_bit_exact():
 
 
 def test_demo_runs():
-    out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=dict(
-        os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=child_env(),
+                         capture_output=True, text=True, timeout=400, cwd=ROOT)
     print(out.stdout[-3000:], out.stderr[-2000:])
     assert out.returncode == 0 and "demo PASSED" in out.stdout
 
