@@ -14,22 +14,24 @@ from .comm import (
 from .buffers import DeviceBuffer, as_buffer
 from .dtypes import NCCL_TYPES, dtype_name, itemsize, nccl_type, numpy_dtype
 from .errors import (
+    CudaError,
     InternalError,
     InvalidArgumentError,
     InvalidUsageError,
     NcclError,
+    NcclLibraryNotFound,
     NcclSystemError,
     NcclTimeoutError,
     RemoteError,
     UnhandledCudaError,
     make_error,
 )
-from .library import LibraryInfo, NcclLibraryNotFound, library_info, load_library, nccl_version
+from .library import LibraryInfo, library_info, load_library, nccl_version
 
 init_rank = Communicator.init_rank
 
 __all__ = [
-    "Communicator", "DeviceBuffer", "LibraryInfo", "NcclError", "NcclLibraryNotFound",
+    "Communicator", "CudaError", "DeviceBuffer", "LibraryInfo", "NcclError", "NcclLibraryNotFound",
     "NcclSystemError", "NcclTimeoutError", "InternalError", "InvalidArgumentError",
     "InvalidUsageError", "RemoteError", "UnhandledCudaError", "NCCL_TYPES",
     "DEFAULT_INIT_TIMEOUT", "DEFAULT_OP_TIMEOUT", "UNIQUE_ID_BYTES",

@@ -12,19 +12,30 @@ import time
 from collections.abc import Callable
 from functools import cache
 
+from .errors import CudaError
 
+
+@cache
 def _driver():
+    """``cuda.bindings.driver``, initialised; a ``CudaError`` that says what is
+    missing (the package, the driver, a GPU) instead of a loader traceback."""
     try:
         from cuda.bindings import driver
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "cuda-python is needed for device work: pip install 'jax-vllm-nccl[cuda13]'"
-        ) from e
+    except ImportError as e:
+        raise CudaError(
+            "cuda-python is not installed, and device work needs it: "
+            "pip install 'jax-vllm-nccl[cuda13]'") from e
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as e:  # no libcuda.so: cuda.pathfinder's DynamicLibNotFoundError
+        raise CudaError(
+            f"no NVIDIA driver found ({type(e).__name__}): this needs a machine with an "
+            "NVIDIA GPU and its driver (libcuda.so.1)") from e
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CudaError(
+            f"the NVIDIA driver could not start (cuInit: {err.name}): check that a GPU is "
+            "visible (nvidia-smi, CUDA_VISIBLE_DEVICES)")
     return driver
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed."""
 
 
 def _check(result, call: str):
@@ -36,21 +47,26 @@ def _check(result, call: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+def device_count_or_raise() -> int:
+    """Visible CUDA devices; ``CudaError`` saying what is missing when none."""
+    n = int(_check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
+    if n < 1:
+        raise CudaError("the NVIDIA driver sees no GPU: check CUDA_VISIBLE_DEVICES and "
+                        "nvidia-smi")
+    return n
+
+
 def device_count() -> int:
     """Visible CUDA devices; 0 when there is no driver or no device."""
     try:
-        d = _driver()
-        if d.cuInit(0)[0] != d.CUresult.CUDA_SUCCESS:
-            return 0
-        return int(_check(d.cuDeviceGetCount(), "cuDeviceGetCount"))
-    except Exception:
+        return device_count_or_raise()
+    except CudaError:
         return 0
 
 
 @cache
 def _primary_context(ordinal: int):
     d = _driver()
-    _check(d.cuInit(0), "cuInit")
     dev = _check(d.cuDeviceGet(ordinal), "cuDeviceGet")
     return _check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
 

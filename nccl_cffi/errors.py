@@ -8,7 +8,6 @@ a hint that says what to do.
 
 from __future__ import annotations
 
-from .library import has_symbol, load_library
 from ._ffi import ffi
 
 SUCCESS = 0
@@ -16,7 +15,10 @@ IN_PROGRESS = 7
 
 
 class NcclError(RuntimeError):
-    """An NCCL call failed. ``code`` is the ``ncclResult_t``."""
+    """The root of this package's errors. For a failed NCCL call, ``code`` is
+    its ``ncclResult_t`` and ``last_error`` NCCL's own detail; errors this
+    package raises itself (a deadline, a missing library) keep their class's
+    code. Picklable: they cross process boundaries in multi-process trainers."""
 
     code: int = -1
 
@@ -25,6 +27,22 @@ class NcclError(RuntimeError):
         if code is not None:
             self.code = code
         self.last_error = last_error
+
+    def __reduce__(self):
+        return _rebuild, (type(self), str(self), self.code, self.last_error)
+
+
+def _rebuild(cls: type, message: str, code: int, last_error: str) -> "NcclError":
+    return cls(message, code=code, last_error=last_error)
+
+
+class NcclLibraryNotFound(NcclError, OSError):
+    """No usable libnccl: an explicit choice that does not load, or nothing
+    found at all; the message says what was tried and how to fix it."""
+
+
+class CudaError(NcclError):
+    """A CUDA driver call failed, or there is no driver or GPU to use."""
 
 
 class UnhandledCudaError(NcclError):
@@ -74,10 +92,12 @@ _HINTS = (
 
 
 def error_string(code: int) -> str:
+    from .library import load_library
     return ffi.string(load_library().ncclGetErrorString(code)).decode(errors="replace")
 
 
 def last_error(comm=None) -> str:
+    from .library import has_symbol, load_library
     if not has_symbol("ncclGetLastError"):
         return ""
     text = load_library().ncclGetLastError(comm if comm is not None else ffi.NULL)

@@ -13,6 +13,10 @@ Search order, each step reported in ``library_info()``:
 2. ``$NCCL_LIBRARY``, then ``$VLLM_NCCL_SO_PATH`` (what vLLM users already set);
 3. the ``nvidia-nccl-cu13`` / ``-cu12`` wheel, located by ``cuda.pathfinder``;
 4. the system's ``libnccl.so.2``.
+
+An explicit choice (1 or 2) that does not load raises instead of falling
+through: it exists to match the server's build, and silently loading another
+one would only fail later, at init, as a version mismatch.
 """
 
 from __future__ import annotations
@@ -28,13 +32,10 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from ._ffi import ffi
+from .errors import NcclLibraryNotFound
 
 _SONAME = "libnccl.so.2"
 _ENV_VARS = ("NCCL_LIBRARY", "VLLM_NCCL_SO_PATH")
-
-
-class NcclLibraryNotFound(OSError):
-    """No loadable libnccl was found; the message lists every place tried."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,12 @@ def _system_path() -> str | None:
 
 
 def _candidates(path: str | None):
-    """Yield (path or None, source label) in search order."""
-    yield path, "path argument"
+    """Yield (path or None, source label, explicit) in search order."""
+    yield path, "path argument", True
     for var in _ENV_VARS:
-        yield os.environ.get(var) or None, f"${var}"
-    yield _pathfinder_path()
-    yield _system_path(), f"system {_SONAME}"
+        yield os.environ.get(var) or None, f"${var}", True
+    yield (*_pathfinder_path(), False)
+    yield _system_path(), f"system {_SONAME}", False
 
 
 def _open(path: str):
@@ -150,25 +151,33 @@ def load_library(path: str | os.PathLike | None = None):
                 )
             return _lib
         tried: list[str] = []
-        for candidate, source in _candidates(want):
+        for candidate, source, explicit in _candidates(want):
             if candidate is None:
-                tried.append(f"{source}: not set" if source != "path argument"
-                             else "path argument: none given")
+                tried.append(f"{source}: none given" if source == "path argument"
+                             else f"{source}: not set" if explicit
+                             else source if ":" in source  # pathfinder says why
+                             else f"{source}: not found")
                 continue
             real = os.path.realpath(candidate)
             if not os.path.isfile(real):
-                tried.append(f"{source}: {candidate} does not exist")
-                continue
-            try:
-                lib = _open(real)
-                code = _version_of(lib)
-            except (OSError, AttributeError) as e:
-                tried.append(f"{source}: {real} did not load ({e})")
-                continue
-            tried.append(f"{source}: {real} (loaded)")
-            _lib = lib
-            _info = LibraryInfo(real, source, split_version(code), code, tuple(tried))
-            return _lib
+                problem = f"{candidate} does not exist"
+            else:
+                try:
+                    lib = _open(real)
+                    code = _version_of(lib)
+                except (OSError, AttributeError) as e:
+                    problem = f"{real} did not load ({e})"
+                else:
+                    tried.append(f"{source}: {real} (loaded)")
+                    _lib = lib
+                    _info = LibraryInfo(real, source, split_version(code), code, tuple(tried))
+                    return _lib
+            tried.append(f"{source}: {problem}")
+            if explicit:
+                raise NcclLibraryNotFound(
+                    f"the libnccl chosen by {source} cannot be used: {problem}. Point it "
+                    "at the libnccl.so.2 your vLLM server loads, or unset it to use the "
+                    "nvidia-nccl-cu13 wheel")
         raise NcclLibraryNotFound(
             "no loadable libnccl found. Looked in:\n  " + "\n  ".join(tried)
             + "\nInstall nvidia-nccl-cu13 (or -cu12) with pip, or point NCCL_LIBRARY "

@@ -48,32 +48,61 @@ def test_explicit_env_var_wins_and_is_reported():
         assert out.stdout.strip() == f"${var} | {path}"
 
 
-def test_missing_explicit_file_falls_through_and_is_listed():
-    code = ("import nccl_cffi; i = nccl_cffi.library_info(); "
-            "print('\\n'.join(i.tried))")
-    out = run_py(code, NCCL_LIBRARY="/nonexistent/libnccl.so.2")
+@pytest.mark.parametrize("var", ["NCCL_LIBRARY", "VLLM_NCCL_SO_PATH"])
+def test_a_wrong_explicit_choice_raises_naming_it(var):
+    """An override exists to match the server's build: one that points nowhere
+    must not quietly load the wheel instead."""
+    code = ("import nccl_cffi\ntry:\n    nccl_cffi.load_library()\n"
+            "except nccl_cffi.NcclLibraryNotFound as e:\n    print(e)\nelse:\n"
+            "    print('LOADED', nccl_cffi.library_info())\n")
+    out = run_py(code, **{var: "/nonexistent/libnccl.so.2"})
     assert out.returncode == 0, out.stderr
-    assert "$NCCL_LIBRARY: /nonexistent/libnccl.so.2 does not exist" in out.stdout
+    assert f"${var} cannot be used: /nonexistent/libnccl.so.2 does not exist" in out.stdout
+    assert "LOADED" not in out.stdout
+
+
+def test_a_wrong_path_argument_raises_and_a_non_library_file_too(tmp_path):
+    code = ("import sys, nccl_cffi\ntry:\n    nccl_cffi.load_library(sys.argv[1])\n"
+            "except nccl_cffi.NcclLibraryNotFound as e:\n    print(e)\n")
+    for path, why in ((tmp_path / "missing.so", "does not exist"), (__file__, "did not load")):
+        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "path argument cannot be used" in out.stdout and why in out.stdout
 
 
 def test_nothing_found_lists_every_place():
-    # Hide the wheel from pathfinder (no site-packages) and give a non-library file.
+    # Hide the wheel from pathfinder and the system library.
     code = ("import sys; import nccl_cffi.library as L\n"
             "L._pathfinder_path = lambda: (None, 'cuda.pathfinder: not found (hidden)')\n"
             "L._system_path = lambda: None\n"
             "try:\n    L.load_library()\nexcept L.NcclLibraryNotFound as e:\n"
             "    print(e)\n    sys.exit(0)\nsys.exit(1)\n")
-    out = run_py(code, NCCL_LIBRARY=__file__)
+    out = run_py(code)
     assert out.returncode == 0, out.stdout + out.stderr
-    for needle in ("path argument: none given", "$NCCL_LIBRARY:", "did not load",
-                   "$VLLM_NCCL_SO_PATH: not set", "cuda.pathfinder: not found",
-                   "system libnccl.so.2: not set", "Install nvidia-nccl-cu13"):
+    for needle in ("path argument: none given", "$NCCL_LIBRARY: not set",
+                   "$VLLM_NCCL_SO_PATH: not set", "cuda.pathfinder: not found (hidden)",
+                   "system libnccl.so.2: not found", "Install nvidia-nccl-cu13"):
         assert needle in out.stdout
+    assert "not found (hidden): not found" not in out.stdout
 
 
 def test_cannot_switch_library_in_one_process(tmp_path):
+    nccl_cffi.load_library()  # whichever test runs first, the library is loaded now
     with pytest.raises(RuntimeError, match="already loaded"):
         nccl_cffi.load_library(tmp_path / "other.so")
+
+
+def test_errors_pickle_with_their_fields():
+    import pickle
+
+    from nccl_cffi import errors
+    for err in (errors.make_error(5, "ncclBroadcast"), nccl_cffi.NcclTimeoutError("late"),
+                nccl_cffi.NcclLibraryNotFound("none"), nccl_cffi.CudaError("no driver")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert (back.code, back.last_error) == (err.code, err.last_error)
+        assert isinstance(back, nccl_cffi.NcclError)
 
 
 def test_unique_ids_are_fresh_128_bytes_and_round_trip():

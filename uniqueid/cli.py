@@ -1,68 +1,176 @@
 """``jax-vllm-nccl doctor`` and ``jax-vllm-nccl mint``.
 
-``doctor`` answers the questions asked first when a push hangs: which libnccl
-this process loads (and would the server's match), is the server exposing the
-RL routes, and how many workers would join.
+``doctor`` answers the questions asked first when a push hangs or init
+fails, and checks each one rather than guessing: is there a GPU and a
+driver, which libnccl this process loads (and does it match the NCCL the
+server's vLLM release loads), does the server expose the RL routes, and how
+many workers would join. It exits non-zero when any check fails and says
+what was left unchecked.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError
-from .codec import UniqueId
+
+# The NCCL that a stock install of each vLLM release loads (through the torch
+# it pins). NCCL refuses ranks of different versions at init.
+VLLM_NCCL = {"0.33.0": "2.30.7"}
+
+
+def _package_version() -> str:
+    try:
+        return version("jax-vllm-nccl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _pip_line(nccl: str) -> str:
+    return f"pip install 'nvidia-nccl-cu13=={nccl}'"
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.problems = 0
+        self.unchecked: list[str] = []
+
+    def ok(self, line: str) -> None:
+        print(f"ok       {line}")
+
+    def bad(self, line: str) -> None:
+        self.problems += 1
+        print(f"PROBLEM  {line}")
+
+    def skip(self, what: str, why: str) -> None:
+        self.unchecked.append(what)
+        print(f"unknown  {what}: {why}")
+
+
+def _check_gpu(r: _Report) -> None:
+    from nccl_cffi import CudaError, cuda
+    try:
+        n = cuda.device_count_or_raise()
+    except CudaError as e:
+        r.bad(f"GPU: {e}")
+        return
+    r.ok(f"GPU: {n} visible CUDA device(s)")
+
+
+def _check_nccl(r: _Report, path: str | None) -> tuple[int, int, int] | None:
+    import nccl_cffi
+    try:
+        nccl_cffi.load_library(path)
+    except nccl_cffi.NcclLibraryNotFound as e:
+        r.bad(f"libnccl: {e}")
+        return None
+    info = nccl_cffi.library_info()
+    r.ok(f"libnccl: {info}")
+    return info.version
+
+
+def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> None:
+    client = VLLMClient(url, connect_timeout=5, read_timeout=10)
+    try:
+        workers = client.get_world_size()
+    except VLLMHTTPError as e:
+        r.bad(f"server {url}: {e}")
+        return
+    except VLLMConnectionError as e:
+        r.bad(f"server {url}: unreachable ({e}); check the URL and that the server is up")
+        return
+    finally:
+        client.close()
+    if workers < 1:
+        r.bad(f"server {url}: reports {workers} workers, so no worker would join the group")
+    else:
+        r.ok(f"server {url}: {workers} worker(s) -> world_size {workers + 1}")
+    with VLLMClient(url, connect_timeout=5, read_timeout=10) as client:
+        try:
+            paused = client.is_paused()
+            client.weight_info()
+        except (VLLMHTTPError, VLLMConnectionError) as e:
+            r.bad(f"RL routes: {e}")
+        else:
+            r.ok(f"RL routes answer (is_paused={paused}); /init_weight_transfer_engine also "
+                 "needs --weight-transfer-config '{\"backend\":\"nccl\"}' at launch")
+        served, why = None, "GET /version gave no version"
+        try:
+            answer = client.request("GET", "/version")
+            served = answer.get("version") if isinstance(answer, dict) else None
+        except (VLLMHTTPError, VLLMConnectionError) as e:
+            why = f"GET /version failed ({e})"
+    if served is None:
+        r.skip("NCCL match", f"{why}; compare "
+               "by hand: on the server, python -c \"import torch; "
+               "print(torch.cuda.nccl.version())\"")
+        return
+    want = VLLM_NCCL.get(str(served))
+    if want is None:
+        r.skip("NCCL match", f"vLLM {served} is not a release this version knows; on the "
+               "server run python -c \"import torch; print(torch.cuda.nccl.version())\", "
+               f"then {_pip_line('X.Y.Z')} here (or set NCCL_LIBRARY)")
+        return
+    if nccl is None:
+        r.skip("NCCL match", f"vLLM {served} loads NCCL {want}, but no libnccl loads here")
+        return
+    have = ".".join(map(str, nccl))
+    if have != want:
+        r.bad(f"NCCL match: the server's vLLM {served} loads NCCL {want}, this trainer "
+              f"loads {have}; NCCL refuses mismatched ranks at init. Fix: {_pip_line(want)} "
+              "(or point NCCL_LIBRARY at a libnccl.so.2 of that version)")
+    else:
+        r.ok(f"NCCL match: vLLM {served} loads NCCL {want}, as this trainer does")
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    import nccl_cffi
-    ok = True
-    try:
-        nccl_cffi.load_library(args.nccl)
-        info = nccl_cffi.library_info()
-        print(f"libnccl: {info}")
-        for line in info.tried:
-            print(f"  tried {line}")
-        print("  the vLLM server must load the same NCCL version "
-              "(set VLLM_NCCL_SO_PATH there, or NCCL_LIBRARY here)")
-    except OSError as e:
-        print(f"libnccl: NOT FOUND\n{e}")
-        ok = False
+    r = _Report()
+    _check_gpu(r)
+    nccl = _check_nccl(r, args.nccl)
     if args.url:
-        client = VLLMClient(args.url, connect_timeout=5, read_timeout=10)
-        try:
-            ws = client.get_world_size()
-            print(f"server {args.url}: reachable, {ws} worker(s) -> world_size {ws + 1}")
-            print(f"  weight version: {client.weight_info().get('weight_version')}")
-            paused = client.is_paused()
-            print(f"  RL routes answer (is_paused={paused}); /init_weight_transfer_engine "
-                  "needs --weight-transfer-config '{\"backend\":\"nccl\"}'")
-        except VLLMHTTPError as e:
-            print(f"server {args.url}: {e}")
-            ok = False
-        except VLLMConnectionError as e:
-            print(f"server {args.url}: unreachable ({e})")
-            ok = False
-    print("connect would " + ("likely succeed" if ok else "fail: fix the above first"))
-    return 0 if ok else 1
+        _check_server(r, args.url, nccl)
+    else:
+        r.skip("server", "no --url given")
+    left = f"; not checked: {', '.join(r.unchecked)}" if r.unchecked else ""
+    if r.problems:
+        print(f"{r.problems} problem(s): connect would fail; fix the PROBLEM lines first{left}")
+        return 1
+    print(f"every check passed{left}")
+    return 0
 
 
 def _mint(_: argparse.Namespace) -> int:
-    print(UniqueId.mint().to_b64())
+    from nccl_cffi import NcclError
+
+    from .codec import UniqueId
+    try:
+        print(UniqueId.mint().to_b64())
+    except NcclError as e:
+        print(f"jax-vllm-nccl mint: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jax-vllm-nccl",
                                  description="JAX -> vLLM weight transfer over NCCL")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("doctor", help="which libnccl, and does a vLLM server answer")
+    ap.add_argument("--version", action="version",
+                    version=f"jax-vllm-nccl {_package_version()}")
+    sub = ap.add_subparsers(dest="cmd")
+    d = sub.add_parser("doctor", help="check the GPU, the libnccl and a vLLM server",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
     d.add_argument("--url", help="vLLM server base URL, e.g. http://127.0.0.1:8000")
-    d.add_argument("--nccl", help="explicit path to libnccl.so.2")
+    d.add_argument("--nccl", help="explicit path to the libnccl.so.2 to use")
     d.set_defaults(fn=_doctor)
-    m = sub.add_parser("mint", help="print a fresh unique id, base64 as vLLM expects")
+    m = sub.add_parser("mint", help="print a fresh unique id, base64 as vLLM expects "
+                       "(a credential: do not log it)")
     m.set_defaults(fn=_mint)
     args = ap.parse_args(argv)
+    if args.cmd is None:
+        ap.print_help()
+        return 0
     return args.fn(args)
 
 
