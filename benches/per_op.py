@@ -9,10 +9,10 @@ from one pre-allocated buffer, at most 8 in flight; the receiver is a
 blocking communicator, as vLLM's is. No HTTP, no JAX packing, no vLLM:
 only the NCCL calls and the waits around them. The sender's communicator is
 
-- non-blocking, as ``WeightSender`` uses it (every wait abortable): NCCL
-  2.28 launches each call from a thread of its own and answers
-  ``ncclInProgress``, and the next call must wait for that thread;
-- blocking: the call launches in the caller's thread.
+- non-blocking: NCCL 2.28 launches each call from a thread of its own and
+  answers ``ncclInProgress``, and the next call must wait for that thread;
+- blocking, as ``WeightSender`` uses it: the call launches in the caller's
+  thread.
 
 Each row: median and best of ``--reps`` after one warm-up, GB/s, the ratio
 to raw, and the sender's host time per broadcast inside ``broadcast()``
@@ -68,7 +68,7 @@ def role_rank(rank: str, uids: str, reps: str) -> None:
     for label, uid in json.loads(uids).items():
         blocking = rank == "1" or label == "blocking"
         comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0,
-                                      blocking=blocking, timeout=None if blocking else 120)
+                                      blocking=blocking, timeout=120)
         warm_up(comm, 60)
         rows = []
         for _ in range(int(reps) + 1):

@@ -24,7 +24,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -35,10 +35,14 @@ from uniqueid import (UNIQUE_ID_BYTES, Connection, InitInfo, RendezvousError,
                       RendezvousTimeout, UniqueId, UpdateInfo, VLLMClient, connect, handshake,
                       in_background)
 
-from .plan import Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks
+from .config import SendConfig
+from .errors import GatherTimeout
+from .plan import (Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks,
+                   wire_order)
 
-# ``share(data)``: process 0 passes bytes, every other process None; all get process 0's.
-Share = Callable[[bytes | None], bytes]
+# ``share(data, timeout_s)``: process 0 passes bytes, every other process None; all get
+# process 0's, or a ``RendezvousTimeout`` after ``timeout_s``.
+Share = Callable[[bytes | None, float], bytes]
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,16 @@ class TurnUpdate:
 def turn_updates(plan: BroadcastPlan, metas: Sequence[TensorMeta], buffer_size: int | None,
                  sent: dict[int, list[TensorMeta]]) -> list[TurnUpdate]:
     """Every turn's update, checked before anything is sent. ``buffer_size``:
-    packed mode's, None when unpacked. ``sent``: per ``src``, the metadata the
-    workers hold; an unchanged turn posts empty lists (vLLM's reuse, kept per
-    ``src``)."""
+    packed mode's, None when unpacked; packed turns send their tensors in
+    ``wire_order`` (so ``turn.params`` is reordered). ``sent``: per ``src``,
+    the metadata the workers hold; an unchanged turn posts empty lists
+    (vLLM's reuse, kept per ``src``)."""
     out = []
     for turn in plan.turns:
+        params = turn.params
+        if buffer_size:
+            order = wire_order([metas[i] for i in params], buffer_size)
+            turn = replace(turn, params=tuple(params[j] for j in order))
         sub = [metas[i] for i in turn.params]
         chunks = plan_chunks(sub, buffer_size) if buffer_size else []
         check_alignment(sub, chunks)
@@ -157,7 +166,7 @@ def ready(array: jax.Array, timeout: float, what: str) -> jax.Array:
     delay = 1e-4
     while not array.is_ready():
         if time.monotonic() > deadline:
-            raise TimeoutError(
+            raise GatherTimeout(
                 f"{what} did not complete within {timeout}s: another owner of it did not "
                 "take part (it failed or is not sending); every owner must send together")
         time.sleep(delay)
@@ -197,9 +206,6 @@ def share_from_process_0(data: bytes | None, timeout: float = DEFAULT_INIT_TIMEO
             "every process must call it (and reconnect) together") from None
 
 
-_GEOMETRY = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
-
-
 @dataclass
 class TrainerGroup:
     """This process's place in a multi-process transfer group, and how to form it."""
@@ -209,46 +215,51 @@ class TrainerGroup:
     device: int
     share: Share
     clients: list[VLLMClient]  # process 0's; empty elsewhere
-    connect_kwargs: dict[str, Any]
-    timeout: float = DEFAULT_INIT_TIMEOUT
+    config: SendConfig
+    metadata: list[list[Any]] | None = None  # the load plan shipped at init
+    workers: Sequence[int] | None = None
     init_info: InitInfo | None = None
 
     @property
     def rank(self) -> int | None:
         return self.plan.group_rank(self.process)
 
-    def form(self) -> Connection | None:
+    def form(self, timeout_s: float) -> Connection | None:
         """Process 0 mints a fresh id, shares it with the world size, and forms the
         group with the servers; the other broadcasters join with it; every other
-        process gets None. Every process must call this together."""
+        process gets None. Every process must call this together; every wait
+        (the sharing included) ends within ``timeout_s``."""
         n = len(self.plan.group)
-        workers = self.connect_kwargs.get("workers")
+        workers = self.workers
         if self.process == 0:
             try:
                 if workers is None:
                     workers = [c.get_world_size() for c in self.clients]
                 uid = UniqueId.mint()
-                world = n + sum([workers] if isinstance(workers, int) else workers)
+                world = n + sum(workers)
             except BaseException:
-                self.share(bytes(UNIQUE_ID_BYTES + 8))  # world size 0: the others raise too
+                self.share(bytes(UNIQUE_ID_BYTES + 8), timeout_s)  # world 0: the others raise
                 raise
-            self.share(uid.raw + world.to_bytes(8, "little"))
+            self.share(uid.raw + world.to_bytes(8, "little"), timeout_s)
         else:
-            blob = self.share(None)
+            blob = self.share(None, timeout_s)
             uid = UniqueId(blob[:UNIQUE_ID_BYTES])
             world = int.from_bytes(blob[UNIQUE_ID_BYTES:], "little")
             if not world:
                 raise RendezvousError("process 0 could not reach the vLLM servers; see its error")
+        c = self.config
         # What the workers are told; raises alike everywhere if no room is left for them.
         self.init_info = InitInfo(nccl_unique_id_b64=uid.to_b64(), rank_offset=n,
-                                  world_size=world, **{k: v for k, v in
-                                                       self.connect_kwargs.items()
-                                                       if k in _GEOMETRY})
+                                  world_size=world, packed=c.packed,
+                                  packed_buffer_size_bytes=c.buffer_size_bytes,
+                                  packed_num_buffers=c.num_buffers)
         if self.process == 0:
-            kwargs = {k: v for k, v in self.connect_kwargs.items() if k != "workers"}
-            return connect(self.clients, device=self.device, workers=workers,
-                           trainer_ranks=n, unique_id=uid, timeout=self.timeout, **kwargs)
+            return connect(self.clients, device=self.device, workers=workers, trainer_ranks=n,
+                           unique_id=uid, timeout=timeout_s, packed=c.packed,
+                           packed_buffer_size_bytes=c.buffer_size_bytes,
+                           packed_num_buffers=c.num_buffers,
+                           use_load_plan=self.metadata is not None, metadata=self.metadata)
         if self.rank is None:
             return None
-        comm = handshake(world, uid, self.rank, self.device, timeout=self.timeout)
+        comm = handshake(world, uid, self.rank, self.device, timeout=timeout_s)
         return Connection(comm, [], [self.init_info], self.device, uid)

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from .errors import MetadataError
+
 Path = tuple[str, ...]
 
 
@@ -88,10 +90,10 @@ def llama_name(path: Path) -> str:
         return "model.norm.weight"
     m = _LAYER.fullmatch(parts[0]) if parts else None
     if m is None:
-        raise KeyError(f"no Llama/Qwen checkpoint name for parameter path {dotted(path)!r}")
+        raise MetadataError(f"no Llama/Qwen checkpoint name for parameter path {dotted(path)!r}")
     leaf = {"kernel": "weight", "scale": "weight", "bias": "bias"}.get(parts[-1])
     if leaf is None:
-        raise KeyError(f"unexpected leaf {parts[-1]!r} in {dotted(path)!r}")
+        raise MetadataError(f"unexpected leaf {parts[-1]!r} in {dotted(path)!r}")
     return ".".join(["model", "layers", m.group(1), *parts[1:-1], leaf])
 
 

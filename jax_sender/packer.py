@@ -1,15 +1,22 @@
 """Pipelined broadcast of JAX arrays: packed chunks or one tensor at a time.
 
-Packing is device-to-device async copies into a persistent ring of bytes
-taken from XLA's own pool, on a copy stream of its own, while NCCL
-broadcasts earlier chunks on another stream. A chunk that is a single
-tensor (any tensor larger than the buffer) is broadcast straight from the
-JAX buffer, with no copy. At most ``num_buffers`` chunks are in flight; the
-ring never hands out bytes that a pending broadcast still reads.
+Packing is device-to-device async copies into staging *slots* taken from
+XLA's own pool, on a copy stream of its own, while NCCL broadcasts earlier
+chunks on another stream. There are ``num_buffers`` slots, each the size of
+the largest multi-tensor chunk, used in turn: chunk *k* goes to slot
+*k mod n*, and its copies wait, on the GPU, for the broadcast that last read
+that slot. The host never waits on a broadcast in the middle of a chunk, and
+no chunk ever lands on bytes still being sent (a ring of uneven chunks made
+the host wait in 59 of the 61 chunks of a 70 GB push). A chunk that is a
+single tensor (any tensor larger than the buffer) is broadcast straight from
+the JAX buffer, with no copy. At most ``num_buffers`` broadcasts are in
+flight. Extra device memory: ``num_buffers`` x the largest multi-tensor
+chunk (each at most the buffer size plus its last tensor), as vLLM's own
+packed sender allocates.
 
-Ordering with JAX: every source array is ``block_until_ready()`` before its
-pointer is used (an explicit ready wait, so no cross-stream event from XLA is
-needed), and stays referenced until the work that reads it has finished.
+Ordering with JAX: every source array is ready before its pointer is used
+(the caller's ``get`` waits for it), and stays referenced until the work
+that reads it has finished.
 """
 
 from __future__ import annotations
@@ -24,34 +31,18 @@ import jax
 import jax.numpy as jnp
 
 from nccl_cffi import Communicator, cuda
+from nccl_cffi.dtypes import NCCL_TYPES
 
 from .plan import Chunk, TensorMeta
 
 Check = Callable[[], None]
+Get = Callable[[int], jax.Array]
+UINT8 = NCCL_TYPES["uint8"][0]
 
 
 def buffer_pointer(array: jax.Array) -> int:
     """Device address of a ready, single-device JAX array."""
     return int(array.unsafe_buffer_pointer())
-
-
-def overlap(lo: int, hi: int, regions: Sequence[tuple[int, int]]) -> int:
-    """Bytes of [lo, hi) inside ``regions``."""
-    return sum(max(0, min(hi, b) - max(lo, a)) for a, b in regions)
-
-
-def place(capacity: int, head: int, nbytes: int, busy: Sequence[tuple[int, int]]) -> int:
-    """Where a chunk of ``nbytes`` goes in the ring: right after the previous
-    chunk (``head``) if it fits, else at whichever end of the ring overlaps
-    the ``busy`` regions (chunks still being broadcast) least.
-
-    Chunks differ in size (each overshoots the buffer by part of its last
-    tensor), so always wrapping to 0 can land a chunk on the whole of the one
-    being broadcast and serialise the pipeline; the far end usually overlaps
-    it by a few tensors at most, and only those wait.
-    """
-    options = ([head] if head + nbytes <= capacity else []) + [0, capacity - nbytes]
-    return min(options, key=lambda s: overlap(s, s + nbytes, busy))
 
 
 class Arena:
@@ -72,16 +63,23 @@ class Arena:
         self.capacity = capacity
         self.ptr = buffer_pointer(self._array)
 
+    def release(self) -> None:
+        self._array, self.capacity, self.ptr = None, 0, 0
+
 
 @dataclass
 class _InFlight:
     event: cuda.Event
-    region: tuple[int, int] | None
     keep: list[Any] = field(default_factory=list)
 
 
 class Broadcaster:
-    """Owns the streams, events and arena of one sender; reused across sends."""
+    """Owns the streams, events and slots of one sender; reused across sends.
+
+    ``temporaries``: the arrays ``get`` returns may be transform outputs or
+    gathered copies that nothing else holds; they are then kept only until
+    copied, which bounds their memory to one chunk.
+    """
 
     def __init__(self, comm: Communicator, device: jax.Device, buffer_size: int,
                  num_buffers: int):
@@ -92,118 +90,115 @@ class Broadcaster:
         self.copy_stream = cuda.Stream(self.ordinal)
         self.nccl_stream = cuda.Stream(self.ordinal)
         self.arena = Arena(device)
-        self._free_events: list[cuda.Event] = []
+        self._pool: list[cuda.Event] = []
         self._inflight: deque[_InFlight] = deque()
-        self._head = 0
+        self._slot_free: list[cuda.Event] = []  # per slot: after the broadcast that read it
+        self._slot_used: list[bool] = []
         self.started = 0.0  # perf_counter() at this pass's first broadcast launch
-        self.host_s = 0.0  # this pass's time in getting and packing tensors (host side)
+        self.host_s = 0.0  # this pass's host time getting and packing tensors
 
     def close(self) -> None:
-        self._inflight.clear()
-        for e in self._free_events:
+        """Destroy every event and stream and give the slots back to XLA."""
+        for e in [f.event for f in self._inflight] + self._pool + self._slot_free:
             e.close()
-        self._free_events.clear()
+        self._inflight.clear()
+        self._pool.clear()
+        self._slot_free.clear()
+        self._slot_used.clear()
         self.copy_stream.close()
         self.nccl_stream.close()
+        self.arena.release()
 
     # -- events and the in-flight window --------------------------------
-    def _event(self, stream: cuda.Stream) -> cuda.Event:
-        ev = self._free_events.pop() if self._free_events else cuda.Event(self.ordinal)
+    def _record(self, stream: cuda.Stream) -> cuda.Event:
+        ev = self._pool.pop() if self._pool else cuda.Event(self.ordinal)
         return ev.record(stream)
 
     def _retire_oldest(self, timeout: float | None, check: Check) -> None:
         f = self._inflight.popleft()
         self.comm.wait_event(f.event, timeout, "broadcast", check)
-        self._free_events.append(f.event)
+        self._pool.append(f.event)
+
+    def _window(self, size: int, timeout: float | None, check: Check) -> None:
+        while len(self._inflight) >= size:
+            self._retire_oldest(timeout, check)
 
     def drain(self, timeout: float | None, check: Check) -> None:
         while self._inflight:
             self._retire_oldest(timeout, check)
-        self._head = 0
 
-    def _busy(self) -> list[tuple[int, int]]:
-        return [f.region for f in self._inflight if f.region]
+    def _begin(self) -> None:
+        cuda.use_device(self.ordinal)  # NCCL and the copies run on this thread's device
+        self.started, self.host_s = 0.0, 0.0
 
-    def _free(self, lo: int, hi: int, timeout: float | None, check: Check) -> None:
-        """Retire broadcasts (oldest first, as NCCL finishes them) until none reads [lo, hi)."""
-        while overlap(lo, hi, self._busy()):
-            self._retire_oldest(timeout, check)
-
-    def _launch(self, ptr: int, count: int, dtype: str, root: int, region, keep,
+    def _launch(self, ptr: int, count: int, nccl_dtype: int, root: int, keep: list[Any],
                 timeout: float | None, check: Check) -> None:
         self.started = self.started or time.perf_counter()
-        self.comm.broadcast(ptr, count=count, dtype=dtype, root=root,
-                            stream=self.nccl_stream, timeout=timeout)
-        self._inflight.append(_InFlight(self._event(self.nccl_stream), region, keep))
+        self.comm.launch_broadcast(ptr, count, nccl_dtype, root, self.nccl_stream.handle,
+                                   timeout)
+        self._inflight.append(_InFlight(self._record(self.nccl_stream), keep))
         check()
 
-    def _timed(self, get: Callable[[int], jax.Array], i: int) -> jax.Array:
-        """``get(i)``, its time counted as host time."""
-        t = time.perf_counter()
-        arr = get(i)
-        self.host_s += time.perf_counter() - t
-        return arr
+    def _slots(self, count: int, size: int) -> None:
+        self.arena.ensure(count * size)
+        while len(self._slot_free) < count:
+            self._slot_free.append(cuda.Event(self.ordinal))
+            self._slot_used.append(False)
 
     # -- modes ----------------------------------------------------------
-    def packed(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk],
-               get: Callable[[int], jax.Array], root: int, *,
-               timeout: float | None, check: Check) -> None:
+    def packed(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk], get: Get,
+               root: int, *, timeout: float | None, check: Check,
+               temporaries: bool = True) -> None:
         """Broadcast ``chunks`` of the tensors ``get(i)`` as vLLM's packed consumer expects."""
-        self.started, self.host_s = 0.0, 0.0
+        self._begin()
         multi = [c for c in chunks if not c.single]
-        if multi:
-            largest = max(metas[i].nbytes for c in multi for i in range(c.start, c.stop))
-            total = sum(c.nbytes for c in multi)
-            # Every multi-tensor chunk is <= buffer + its last tensor, so it fits.
-            self.arena.ensure(min(self.num_buffers * self.buffer_size + largest, total))
+        slot = max((c.nbytes for c in multi), default=0)
+        nslots = min(self.num_buffers, len(multi))
+        self._slots(nslots, slot)
+        k = 0
         for c in chunks:
-            while len(self._inflight) >= self.num_buffers:
-                self._retire_oldest(timeout, check)
-            if c.single:
-                arr = self._timed(get, c.start)
-                self._launch(buffer_pointer(arr), c.nbytes, "uint8", root, None, [arr],
-                             timeout, check)
-                continue
-            start = place(self.arena.capacity, self._head, c.nbytes, self._busy())
-            self._head = start + c.nbytes
-            # Tensors that land on free bytes are copied at once; those on bytes a
-            # pending broadcast still reads wait for it, after the others.
+            self._window(self.num_buffers, timeout, check)
             t = time.perf_counter()
-            sources, later, busy = [], [], self._busy()  # nothing retires in this loop
+            if c.single:
+                arr = get(c.start)
+                self.host_s += time.perf_counter() - t
+                self._launch(buffer_pointer(arr), c.nbytes, UINT8, root, [arr], timeout, check)
+                continue
+            s, k = k % nslots, k + 1
+            base = self.arena.ptr + s * slot
+            if self._slot_used[s]:  # on the GPU: after the broadcast that last read it
+                self.copy_stream.wait_event(self._slot_free[s])
+            sources = []
             for i, off in zip(range(c.start, c.stop), c.offsets):
                 arr = get(i)
-                sources.append(arr)
-                lo, n = start + off, metas[i].nbytes
-                if overlap(lo, lo + n, busy):
-                    later.append((lo, n, arr))
-                elif n:
-                    cuda.copy_async(self.arena.ptr + lo, buffer_pointer(arr), n,
+                if metas[i].nbytes:
+                    cuda.copy_async(base + off, buffer_pointer(arr), metas[i].nbytes,
                                     self.copy_stream)
+                sources.append(arr)
             self.host_s += time.perf_counter() - t
-            for lo, n, arr in later:
-                self._free(lo, lo + n, timeout, check)
-                cuda.copy_async(self.arena.ptr + lo, buffer_pointer(arr), n, self.copy_stream)
-            copied = self._event(self.copy_stream)
+            copied = self._record(self.copy_stream)
             self.nccl_stream.wait_event(copied)
-            # Enqueue the broadcast first, so NCCL's stream never waits on the host.
-            self._launch(self.arena.ptr + start, c.nbytes, "uint8", root,
-                         (start, start + c.nbytes), [], timeout, check)
-            # The sources may be transform temporaries: free them once copied.
-            self.comm.wait_event(copied, timeout, "packing copy", check)
-            self._free_events.append(copied)
+            self._launch(base, c.nbytes, UINT8, root, [] if temporaries else sources,
+                         timeout, check)
+            self._slot_free[s].record(self.nccl_stream)
+            self._slot_used[s] = True
+            if temporaries:  # free them once copied (they may be all nothing else holds)
+                self.comm.wait_event(copied, timeout, "packing copy", check)
+            self._pool.append(copied)
             del sources
         self.drain(timeout, check)
 
-    def unpacked(self, metas: Sequence[TensorMeta], get: Callable[[int], jax.Array],
-                 root: int, *, timeout: float | None, check: Check) -> None:
+    def unpacked(self, metas: Sequence[TensorMeta], get: Get, root: int, *,
+                 timeout: float | None, check: Check) -> None:
         """One broadcast per tensor, straight from its JAX buffer, in its own dtype."""
-        self.started, self.host_s = 0.0, 0.0
+        self._begin()
         window = max(self.num_buffers, 8)
         for i, m in enumerate(metas):
-            while len(self._inflight) >= window:
-                self._retire_oldest(timeout, check)
-            arr = self._timed(get, i)
-            self._launch(buffer_pointer(arr), m.numel, m.dtype, root, None, [arr],
+            self._window(window, timeout, check)
+            t = time.perf_counter()
+            arr = get(i)
+            self.host_s += time.perf_counter() - t
+            self._launch(buffer_pointer(arr), m.numel, NCCL_TYPES[m.dtype][0], root, [arr],
                          timeout, check)
         self.drain(timeout, check)
 
@@ -212,12 +207,11 @@ class Broadcaster:
         """Take part in another trainer rank's turn: receive its chunks (or, with
         ``chunks=None``, its tensors, each in its own dtype) into scratch bytes
         and drop them. Every group member must join each broadcast."""
-        self.started, self.host_s = 0.0, 0.0
-        parts = ([(c.nbytes, "uint8", c.nbytes) for c in chunks] if chunks is not None
-                 else [(m.numel, m.dtype, m.nbytes) for m in metas])
+        self._begin()
+        parts = ([(c.nbytes, UINT8, c.nbytes) for c in chunks] if chunks is not None
+                 else [(m.numel, NCCL_TYPES[m.dtype][0], m.nbytes) for m in metas])
         self.arena.ensure(max((nbytes for _, _, nbytes in parts), default=0))
-        for count, dtype, _ in parts:
-            while len(self._inflight) >= self.num_buffers:
-                self._retire_oldest(timeout, check)
-            self._launch(self.arena.ptr, count, dtype, root, None, [], timeout, check)
+        for count, code, _ in parts:
+            self._window(self.num_buffers, timeout, check)
+            self._launch(self.arena.ptr, count, code, root, [], timeout, check)
         self.drain(timeout, check)

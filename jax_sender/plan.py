@@ -12,18 +12,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from nccl_cffi.dtypes import NCCL_TYPES, dtype_name
+
+from .errors import MetadataError
 
 # What vLLM 0.33.0's worker can receive (its pynccl dtype table); it raises
 # mid-transfer on anything else, so the sender refuses it up front.
 WIRE_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64",
                "bfloat16", "float8_e4m3fn")
-
-
-class MetadataError(ValueError):
-    """Arrays and metadata disagree, or a tensor cannot travel: nothing was sent."""
 
 
 @dataclass(frozen=True)
@@ -34,11 +33,11 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @cached_property  # read per tensor on a push's hot path
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * NCCL_TYPES[self.dtype][1]
 
@@ -98,8 +97,36 @@ def check_alignment(metas: Sequence[TensorMeta], chunks: Sequence[Chunk]) -> Non
                 raise MetadataError(
                     f"packed mode would place {m.name!r} ({m.dtype}) at byte {off} of its "
                     f"chunk, not a multiple of {size}: vLLM's packed consumer cannot view it "
-                    "there and would fail mid-transfer. Order tensors by decreasing dtype "
-                    "size (or pad odd-sized small tensors), or use packed=False")
+                    "there and would fail mid-transfer (the sender orders its tensors by "
+                    "decreasing dtype size to avoid this)")
+
+
+def wire_order(metas: Sequence[TensorMeta], buffer_size: int) -> list[int]:
+    """The order a packed push sends ``metas`` in, as indices; vLLM loads by
+    name, so the order is the sender's to choose.
+
+    Tensors larger than the buffer go first (each is a chunk of its own):
+    the receiver loads the last chunk after the last broadcast, so ending on
+    a large tensor (``lm_head`` comes last in checkpoint order) lengthens the
+    push by its load. The rest keep their order, unless that would put a
+    tensor at a chunk offset its dtype cannot be viewed at (vLLM's consumer
+    would fail mid-stream): then they go by decreasing dtype size, which
+    aligns every offset (each tensor's bytes are a multiple of every smaller
+    power-of-two size).
+    """
+    big = [i for i, m in enumerate(metas) if m.nbytes > buffer_size]
+    rest = [i for i, m in enumerate(metas) if m.nbytes <= buffer_size]
+    order = big + rest
+    ordered = [metas[i] for i in order]
+    if not aligned(ordered, plan_chunks(ordered, buffer_size)):
+        rest.sort(key=lambda i: -NCCL_TYPES[metas[i].dtype][1])
+        order = big + rest
+    return order
+
+
+def aligned(metas: Sequence[TensorMeta], chunks: Sequence[Chunk]) -> bool:
+    return all(off % NCCL_TYPES[m.dtype][1] == 0 for c in chunks
+               for m, off in zip(metas[c.start:c.stop], c.offsets))
 
 
 def check_unique(metas: Sequence[TensorMeta]) -> None:

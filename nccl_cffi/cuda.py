@@ -9,8 +9,11 @@ peer died never completes, so every wait here is a query loop with a way out.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from functools import cache
+
+from cffi import FFI
 
 from .errors import CudaError
 
@@ -80,8 +83,35 @@ def use_device(ordinal: int) -> None:
     _check(_driver().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
 
 
+# The calls a push makes per tensor or per chunk, straight into libcuda: the
+# cuda-python wrappers cost a few microseconds each, which adds up over a
+# push of many small tensors. Handles and pointers are plain integers here.
+_RAW_CDEF = """
+int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void *s);
+int cuEventRecord(void *event, void *stream);
+int cuEventQuery(void *event);
+int cuStreamWaitEvent(void *stream, void *event, unsigned int flags);
+"""
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+@cache
+def _raw():
+    _driver()  # the sentence for a missing driver, and cuInit
+    ffi = FFI()
+    ffi.cdef(_RAW_CDEF)
+    return ffi, ffi.dlopen("libcuda.so.1")
+
+
+def _raw_check(code: int, call: str) -> None:
+    if code:
+        _check((_driver().CUresult(code),), call)
+
+
 class Stream:
-    """A non-blocking CUDA stream (never synchronises with the legacy stream)."""
+    """A non-blocking CUDA stream (never synchronises with the legacy stream).
+
+    Destroyed by ``close()``, or when collected."""
 
     def __init__(self, device: int):
         d = _driver()
@@ -90,48 +120,56 @@ class Stream:
         self._stream = _check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING),
                               "cuStreamCreate")
         self.handle = int(self._stream)
+        self._ptr = _raw()[0].cast("void *", self.handle)
+        self._finalizer = weakref.finalize(self, _destroy_stream, device, self._stream)
 
     def wait_event(self, event: "Event") -> None:
-        _check(_driver().cuStreamWaitEvent(self._stream, event._event, 0), "cuStreamWaitEvent")
+        ffi, lib = _raw()
+        _raw_check(lib.cuStreamWaitEvent(self._ptr, event._ptr, 0), "cuStreamWaitEvent")
 
     def close(self) -> None:
-        if self._stream is not None:
-            use_device(self.device)
-            _driver().cuStreamDestroy(self._stream)
-            self._stream = None
+        self._finalizer()
+
+
+def _destroy_stream(device: int, stream) -> None:
+    use_device(device)
+    _driver().cuStreamDestroy(stream)
 
 
 class Event:
-    """A timing-free CUDA event, recorded on a stream and polled."""
+    """A timing-free CUDA event, recorded on a stream and polled.
+
+    Destroyed by ``close()``, or when collected."""
 
     def __init__(self, device: int):
         d = _driver()
         use_device(device)
         self._event = _check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING),
                              "cuEventCreate")
+        self._ptr = _raw()[0].cast("void *", int(self._event))
+        self._finalizer = weakref.finalize(self, _driver().cuEventDestroy, self._event)
 
     def record(self, stream: Stream | int) -> "Event":
-        s = stream._stream if isinstance(stream, Stream) else _driver().CUstream(stream)
-        _check(_driver().cuEventRecord(self._event, s), "cuEventRecord")
+        ffi, lib = _raw()
+        s = stream._ptr if isinstance(stream, Stream) else ffi.cast("void *", stream)
+        _raw_check(lib.cuEventRecord(self._ptr, s), "cuEventRecord")
         return self
 
     def done(self) -> bool:
-        d = _driver()
-        (err,) = d.cuEventQuery(self._event)
-        if err == d.CUresult.CUDA_ERROR_NOT_READY:
+        code = _raw()[1].cuEventQuery(self._ptr)
+        if code == _NOT_READY:
             return False
-        _check((err,), "cuEventQuery")
+        _raw_check(code, "cuEventQuery")
         return True
 
     def close(self) -> None:
-        if self._event is not None:
-            _driver().cuEventDestroy(self._event)
-            self._event = None
+        self._finalizer()
 
 
 def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     """Device-to-device copy of ``nbytes`` on ``stream``."""
-    _check(_driver().cuMemcpyDtoDAsync(dst, src, nbytes, stream._stream), "cuMemcpyDtoDAsync")
+    _raw_check(_raw()[1].cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream._ptr),
+               "cuMemcpyDtoDAsync")
 
 
 def poll_until(done: Callable[[], bool], timeout: float | None, *,
@@ -166,6 +204,7 @@ class DeviceMemory:
     """A small ``cuMemAlloc`` buffer for NCCL's own scratch (e.g. the warm-up).
 
     Bulk buffers come from XLA instead, so they count against its pool.
+    Freed by ``free()``, or when collected.
     """
 
     def __init__(self, nbytes: int, device: int):
@@ -173,10 +212,14 @@ class DeviceMemory:
         self.device = device
         self.nbytes = nbytes
         self.ptr = int(_check(_driver().cuMemAlloc(nbytes), "cuMemAlloc"))
+        self._finalizer = weakref.finalize(self, _free_memory, device, self.ptr)
         _check(_driver().cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
 
     def free(self) -> None:
-        if self.ptr:
-            use_device(self.device)
-            _driver().cuMemFree(self.ptr)
-            self.ptr = 0
+        self._finalizer()
+        self.ptr = 0
+
+
+def _free_memory(device: int, ptr: int) -> None:
+    use_device(device)
+    _driver().cuMemFree(ptr)

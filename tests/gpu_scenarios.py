@@ -26,7 +26,7 @@ def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
     r = int(rank)
     block = blocking == "1"
     comm = Communicator.init_rank(2, UniqueId.from_b64(uid_b64).raw, r, 0, blocking=block,
-                                  timeout=None if block else 120)
+                                  timeout=120)
     assert (comm.count(), comm.user_rank(), comm.cu_device()) == (2, r, 0)
     stream = cuda.Stream(0)
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -52,21 +52,27 @@ def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
     print(f"OK rank {r} blocking={block}")
 
 
-def init_timeout(seconds: str) -> None:
-    """A non-blocking init whose peer never arrives: timeout, abort, no thread left."""
+def init_timeout(seconds: str, blocking: str = "0") -> None:
+    """An init whose peer never arrives: a timeout at the deadline. Non-blocking:
+    the communicator is aborted and no thread is left. Blocking: the init
+    thread is abandoned (a daemon; NCCL cannot abort an init in progress)."""
     from nccl_cffi import Communicator, InvalidUsageError, NcclTimeoutError, get_unique_id
-    limit = float(seconds)
+    limit, block = float(seconds), blocking == "1"
     before = threading.active_count()
     t = time.monotonic()
     try:
-        Communicator.init_rank(2, get_unique_id(), 0, 0, timeout=limit)
+        Communicator.init_rank(2, get_unique_id(), 0, 0, timeout=limit, blocking=block)
     except NcclTimeoutError as e:
         took = time.monotonic() - t
-        assert "communicator aborted" in str(e), e
+        assert ("abandoned" if block else "communicator aborted") in str(e), e
     else:
         raise AssertionError("init with an absent peer returned")
     assert limit <= took <= limit + 1.0, took
-    assert threading.active_count() == before, threading.enumerate()
+    left = [th for th in threading.enumerate() if th is not threading.main_thread()]
+    if block:
+        assert all(th.daemon for th in left), left
+    else:
+        assert threading.active_count() == before, threading.enumerate()
     comm = Communicator(None, nranks=2, rank=0, device=0, blocking=False)
     try:
         comm.broadcast(0x1000, count=1, dtype="uint8", root=0)
@@ -74,7 +80,8 @@ def init_timeout(seconds: str) -> None:
         pass
     else:
         raise AssertionError("a collective on a closed communicator did not raise")
-    print(f"OK timed out after {took:.2f}s (limit {limit}s), threads {threading.active_count()}")
+    print(f"OK blocking={block}: timed out after {took:.2f}s (limit {limit}s), "
+          f"threads left {[th.name for th in left]}")
 
 
 def library_pick() -> None:

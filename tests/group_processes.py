@@ -54,9 +54,10 @@ def main(scenario: str, process: int, port: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
                                initialization_timeout=60)
-    from jax_sender import TensorMeta
+    from jax_sender import SendConfig, TensorMeta
     from jax_sender.group import (TrainerGroup, broadcast_plan, gather, join_gathers,
                                   owners_of, ready, share_from_process_0)
+    from jax_sender.errors import GatherTimeout
     from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mine = [d for d in devices if d.process_index == 1]
@@ -100,10 +101,10 @@ def main(scenario: str, process: int, port: str) -> None:
         # Process 0 cannot reach its server: it raises, and process 1 is told, not left waiting.
         plan = plan_of(["fsdp.a"], [_global("fsdp.a", devices)])
         clients = [VLLMClient("http://127.0.0.1:9", connect_timeout=5)] if process == 0 else []
-        group = TrainerGroup(plan, process, 0, share_from_process_0, clients, {}, 30)
+        group = TrainerGroup(plan, process, 0, share_from_process_0, clients, SendConfig())
         expected = VLLMConnectionError if process == 0 else RendezvousError
         try:
-            group.form()
+            group.form(30)
         except expected as e:
             print(f"OK unreachable: process {process} raised {type(e).__name__}: {e}")
         else:
@@ -112,7 +113,7 @@ def main(scenario: str, process: int, port: str) -> None:
         # Process 1 never joins the gather: process 0's deadline fires.
         arr = _global("fsdp.a", devices)
         _only_process_0_waits(process, lambda: ready(gather(arr), 3, "the gather of fsdp.a"),
-                              TimeoutError, "absent")
+                              GatherTimeout, "absent")
     else:
         raise ValueError(scenario)
     sys.stdout.flush()

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from jax_sender import (LLAMA, LoadPlan, Mapping, MetadataError, TensorMeta, describe, llama_name,
                         named_arrays, plan_chunks)
 from jax_sender.models.llama import Config, init_params
-from jax_sender.plan import WIRE_DTYPES, check_against, check_unique
-from jax_sender.sender import WeightSender
+from jax_sender.plan import WIRE_DTYPES, check_against, check_unique, wire_order
+from memory_link import memory_sender
 
 ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4,
             "float64": 8, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -118,9 +118,9 @@ def test_llama_mapping_on_a_real_flax_model():
 
 
 def test_llama_name_rejects_unknown_paths():
-    with pytest.raises(KeyError):
+    with pytest.raises(MetadataError, match="no Llama/Qwen checkpoint name"):
         llama_name(("mystery", "kernel"))
-    with pytest.raises(KeyError):
+    with pytest.raises(MetadataError, match="unexpected leaf 'weird'"):
         llama_name(("layers_0", "mlp", "up_proj", "weird"))
 
 
@@ -159,8 +159,7 @@ def test_load_plan_checks_like_vllms_manifest():
     plan = LoadPlan(describe(params, Mapping())[0])
     assert plan.to_payload() == [["a", "bfloat16", [2, 3]], ["b", "float32", [4]]]
     assert LoadPlan.from_payload(plan.to_payload()).metas == plan.metas
-    sender = WeightSender.__new__(WeightSender)  # prepare() needs no live group
-    sender.mapping, sender.load_plan = Mapping(), plan
+    sender, _, _ = memory_sender(load_plan=plan)
     assert [m.name for m in sender.prepare({"b": jnp.zeros(4, jnp.float32)})[0]] == ["b"]
     with pytest.raises(MetadataError, match=r"'b' sent as \(float32, \[5\]\) was declared at "
                                             r"init as \(float32, \[4\]\); with use_load_plan"):
@@ -185,41 +184,26 @@ def test_misaligned_packed_layout_is_refused_up_front():
     check_alignment(split, plan_chunks(split, 8))
 
 
+def test_wire_order_sends_tensors_larger_than_the_buffer_first():
+    metas = [TensorMeta("embed", "bfloat16", (600,)), TensorMeta("l0", "bfloat16", (10,)),
+             TensorMeta("l1", "bfloat16", (10,)), TensorMeta("head", "bfloat16", (700,))]
+    assert wire_order(metas, 1000) == [0, 3, 1, 2]  # the push ends on small tensors
+    assert wire_order(metas, 4096) == [0, 1, 2, 3]  # nothing larger: checkpoint order
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 1000), st.integers(0, 1000), st.integers(1, 1000),
-       st.lists(st.tuples(st.integers(0, 999), st.integers(1, 400)), max_size=3))
-def test_place_stays_in_the_ring_and_prefers_free_bytes(capacity, head, nbytes, spans):
-    from jax_sender.packer import overlap, place
-    if nbytes > capacity:
-        return
-    busy = [(a, min(a + n, capacity)) for a, n in spans]
-    start = place(capacity, head, nbytes, busy)
-    assert 0 <= start <= capacity - nbytes
-    options = ([head] if head + nbytes <= capacity else []) + [0, capacity - nbytes]
-    assert overlap(start, start + nbytes, busy) == min(overlap(s, s + nbytes, busy)
-                                                       for s in options)
-
-
-def test_ring_placement_keeps_the_pipeline_full_on_uneven_chunks():
-    """A ~70 GB list whose 1 GiB chunks overshoot by different amounts: with
-    two buffers, wrapping every chunk to 0 made 98% of the bytes wait for the
-    previous broadcast; placing at the emptier end leaves a few percent."""
-    from collections import deque
-
-    from jax_sender.packer import overlap, place
-    layer = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (128,), (128,),
-             (12288, 4096), (12288, 4096), (4096, 12288), (4096,), (4096,)]
-    metas = [TensorMeta(f"l{n}.{i}", "bfloat16", s) for n in range(150)
-             for i, s in enumerate(layer)]
-    buffer, nbuf = 1 << 30, 2
-    chunks = plan_chunks(metas, buffer)
-    capacity = nbuf * buffer + max(m.nbytes for m in metas)
-    inflight, head, waiting = deque(), 0, 0
-    for c in chunks:
-        while len(inflight) >= nbuf:
-            inflight.popleft()
-        start = place(capacity, head, c.nbytes, list(inflight))
-        waiting += overlap(start, start + c.nbytes, list(inflight))
-        head = start + c.nbytes
-        inflight.append((start, head))
-    assert waiting / sum(c.nbytes for c in chunks) < 0.1
+@given(st.lists(st.tuples(st.sampled_from(sorted(ITEMSIZE)), st.integers(0, 40)),
+                min_size=1, max_size=12), st.integers(1, 200))
+def test_wire_order_is_a_permutation_that_vllms_consumer_can_view(specs, buffer_size):
+    metas = [TensorMeta(f"t{i}", d, (n,)) for i, (d, n) in enumerate(specs)]
+    order = wire_order(metas, buffer_size)
+    assert sorted(order) == list(range(len(metas)))
+    ordered = [metas[i] for i in order]
+    theirs = vllm_consumer_chunks([(m.name, ((m.numel,), m.dtype)) for m in ordered],
+                                  buffer_size)
+    ours = plan_chunks(ordered, buffer_size)
+    assert len(theirs) == len(ours)
+    for (names, _), c in zip(theirs, ours):
+        assert names == [m.name for m in ordered[c.start:c.stop]]
+        for m, off in zip(ordered[c.start:c.stop], c.offsets):
+            assert off % ITEMSIZE[m.dtype] == 0, (m, off)

@@ -3,8 +3,8 @@ rendezvous (init + warm-up) that a torch-free trainer performs with them."""
 
 from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, in_background
 from .codec import B64_LENGTH, UNIQUE_ID_BYTES, UniqueId, UniqueIdError, check_rendezvous_mode
-from .rendezvous import (Connection, RendezvousError, RendezvousTimeout, as_clients, connect,
-                         handshake, warm_up)
+from .errors import RendezvousError, RendezvousTimeout
+from .rendezvous import Connection, as_clients, connect, handshake, warm_up
 from .wire import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,

@@ -15,6 +15,8 @@ from typing import Any, Callable, TypeVar
 
 import httpx
 
+from .errors import RendezvousError
+
 T = TypeVar("T")
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -22,7 +24,7 @@ DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_TRANSFER_TIMEOUT = 1800.0
 
 
-class VLLMHTTPError(RuntimeError):
+class VLLMHTTPError(RendezvousError):
     """A route answered with an error status; ``message`` is vLLM's text."""
 
     def __init__(self, route: str, status: int, message: str, body: Any = None):
@@ -33,8 +35,11 @@ class VLLMHTTPError(RuntimeError):
                     "--weight-transfer-config '{\"backend\":\"nccl\"}')")
         super().__init__(f"{route} -> HTTP {status}: {message}{hint}")
 
+    def __reduce__(self):
+        return type(self), (self.route, self.status, self.message, self.body)
 
-class VLLMConnectionError(ConnectionError):
+
+class VLLMConnectionError(RendezvousError, ConnectionError):
     """The server could not be reached or did not answer in time."""
 
 

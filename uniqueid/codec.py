@@ -13,13 +13,15 @@ import binascii
 import re
 from dataclasses import dataclass, field
 
+from .errors import RendezvousError
+
 UNIQUE_ID_BYTES = 128
 B64_LENGTH = 172  # 4 * ceil(128 / 3), ending in one "="
 
 _STD_ALPHABET = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
-class UniqueIdError(ValueError):
+class UniqueIdError(RendezvousError, ValueError):
     """A unique id (or its base64 form) that vLLM would refuse."""
 
 

@@ -22,18 +22,11 @@ from nccl_cffi import cuda
 
 from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, in_background
 from .codec import UniqueId
+from .errors import RendezvousError, RendezvousTimeout
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
 
 # Beyond the NCCL deadline, how long the server's init answer may lag behind.
 _HTTP_GRACE = 30.0
-
-
-class RendezvousError(RuntimeError):
-    """Joining the workers failed; the trainer's communicator was aborted."""
-
-
-class RendezvousTimeout(RendezvousError, TimeoutError):
-    """Joining the workers did not finish within the deadline."""
 
 
 def warm_up(comm: Communicator, timeout: float | None,
@@ -53,35 +46,32 @@ def warm_up(comm: Communicator, timeout: float | None,
 
 def handshake(world_size: int, unique_id: UniqueId, rank: int, device: int, *,
               timeout: float | None = DEFAULT_INIT_TIMEOUT,
-              check: Callable[[], None] | None = None) -> Communicator:
-    """Init (non-blocking, with a deadline) and warm up, without any HTTP.
+              check: Callable[[], None] | None = None, blocking: bool = True) -> Communicator:
+    """Init and warm up, with a deadline for both, without any HTTP.
 
     For control planes of the caller's own: ship ``unique_id.to_b64()`` to
     the workers by any means, then call this on the trainer; every worker
-    must do the same init and warm-up.
+    must do the same init and warm-up. The communicator is blocking, as
+    vLLM's are (its collectives launch four times faster); its init runs on
+    a daemon thread that is abandoned if the deadline passes (see
+    ``nccl_cffi.Communicator.init_rank``).
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    comm = Communicator.init_rank(world_size, unique_id.raw, rank, device,
-                                  timeout=timeout, check=check)
-    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-    try:
-        warm_up(comm, left, check)
-    except BaseException:
-        comm.abort("warm-up failed")
-        raise
-    return comm
+    return Communicator.init_rank(world_size, unique_id.raw, rank, device, blocking=blocking,
+                                  timeout=timeout, check=check, then=warm_up)
 
 
 @dataclass
 class Connection:
     """The trainer's end of one transfer group: the communicator, and the
-    servers (each with its own ``init_info``) whose workers joined it."""
+    servers (each with its own ``init_info``) whose workers joined it.
+    ``owns_clients``: ``close()`` closes the HTTP clients too (it made them)."""
 
     comm: Communicator
     clients: list[VLLMClient]
     init_infos: list[InitInfo]
     device: int
     unique_id: UniqueId = field(repr=False)
+    owns_clients: bool = False
 
     @property
     def client(self) -> VLLMClient:
@@ -91,20 +81,27 @@ class Connection:
     def init_info(self) -> InitInfo:
         return self.init_infos[0]
 
-    def close(self, *, shutdown_servers: bool = True) -> None:
-        """Shut the servers' engines down (best effort) and free the communicator."""
+    def close(self, *, shutdown_servers: bool = True, free_comm: bool = True) -> None:
+        """Shut the servers' engines down (best effort), free the communicator
+        (unless ``free_comm`` is false: a thread is still inside one of its
+        calls), and close the HTTP clients this connection made."""
         if shutdown_servers:
             for c in self.clients:
                 try:
                     c.shutdown_weight_transfer_engine()
                 except (VLLMHTTPError, VLLMConnectionError):
                     pass
-        if self.comm._handle is None:
-            return
-        if self.comm.get_async_error():  # in progress or failed: nothing left to flush
-            self.comm.abort("closed")
-        else:
+        if free_comm:
             self.comm.destroy()
+        if self.owns_clients:
+            for c in self.clients:
+                c.close()
+
+
+def _made_here(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> bool:
+    """Whether ``as_clients`` makes the clients (URLs given), so they are ours to close."""
+    items = [servers] if isinstance(servers, (str, VLLMClient)) else list(servers)
+    return all(isinstance(s, str) for s in items)
 
 
 def as_clients(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> list[VLLMClient]:
@@ -130,6 +127,7 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
     ``handshake`` and the same ``unique_id``. Otherwise a fresh id is minted
     for every call, so calling again after a failure starts clean.
     """
+    owned = _made_here(servers)
     clients = as_clients(servers)
     if isinstance(workers, int):
         workers = [workers]
@@ -142,7 +140,9 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
     infos, offset = [], trainer_ranks
     for n in workers:
         if n < 1:
-            raise ValueError(f"a server reported {n} workers")
+            raise RendezvousError(
+                f"a server reports {n} workers, so none would join: start vLLM with its "
+                "model loaded (check GET /get_world_size)")
         infos.append(InitInfo(
             nccl_unique_id_b64=uid.to_b64(), rank_offset=offset, world_size=world_size,
             packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
@@ -184,4 +184,4 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
     except (VLLMHTTPError, VLLMConnectionError) as e:
         comm.abort("server init failed")
         raise RendezvousError(f"the server failed init after the group formed: {e}") from e
-    return Connection(comm, clients, infos, device, uid)
+    return Connection(comm, clients, infos, device, uid, owns_clients=owned)

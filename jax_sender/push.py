@@ -1,0 +1,210 @@
+"""The core of a push: vLLM's update protocol around the broadcasts, run on a
+thread of its own, and the handle the caller waits on.
+
+``run_push`` is the protocol: pause, ``/start_weight_update``, per round an
+``/update_weights`` in flight while that round's broadcasts run,
+``/finish_weight_update``, resume. It takes what it talks to (a control
+plane, a broadcaster) as arguments, so it runs on CPU against in-memory ones.
+
+Why a thread: the communicator is blocking (its calls launch four times
+faster), and a blocking NCCL call can, in a rare failure (a peer gone
+while a connection is set up), never return. The push runs on a daemon
+thread that owns the communicator while it runs; the caller waits on a
+``PendingSend`` with deadlines and a way out. Every wait of the push polls
+``check``, which raises once the push is cancelled (Ctrl-C, ``close``) or a
+server answered with an error, and the push thread then aborts the
+communicator itself, between NCCL calls. Only a thread stuck inside an NCCL
+call past its deadline is abandoned instead: the sender is broken, the
+communicator is never freed under it, and ``reconnect()`` forms a new one.
+The same thread is what lets ``send(wait=False)`` return at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .control import ControlPlane
+from .errors import SendError
+
+Check = Callable[[], None]
+# A round: the update_info payload, and what broadcasts it (given a check).
+Round = tuple[dict[str, Any], Callable[[Check], None]]
+# How long a cancelled push may take to stop before the caller stops waiting.
+CANCEL_GRACE_S = 2.0
+
+
+class PushCancelled(SendError):
+    """The push was cancelled (Ctrl-C while waiting on it, or ``close()``)."""
+
+
+@dataclass
+class SendStats:
+    """What one push moved and where its time went (seconds)."""
+
+    bytes: int
+    tensors: int
+    chunks: int
+    packed: bool
+    reused_metadata: bool
+    prepare_s: float
+    start_s: float = 0.0
+    transfer_s: float = 0.0  # posting /update_weights -> every server answered
+    finish_s: float = 0.0
+    broadcast_s: float = 0.0  # first broadcast launched -> last one done (host clock)
+    host_s: float = 0.0  # host time getting and packing tensors, inside transfer_s
+    returned_s: float = 0.0  # send() called -> it returned (all of it when blocking)
+
+    @property
+    def total_s(self) -> float:
+        return self.prepare_s + self.start_s + self.transfer_s + self.finish_s
+
+    @property
+    def transfer_gbps(self) -> float:
+        return self.bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.bytes / 1e9:.3f} GB, {self.tensors} tensors, {self.chunks} "
+                f"{'chunks' if self.packed else 'broadcasts'}: prepare {self.prepare_s:.3f}s, "
+                f"start {self.start_s:.3f}s, transfer {self.transfer_s:.3f}s "
+                f"({self.transfer_gbps:.1f} GB/s; broadcasts {self.broadcast_s:.3f}s), "
+                f"finish {self.finish_s:.3f}s")
+
+
+class Timed(Protocol):
+    """What a broadcaster reports of its last pass."""
+
+    started: float
+    host_s: float
+
+
+def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed, *,
+             timeout_s: float, http_timeout_s: float, weight_version: str | None,
+             pause: str | None, cancelled: Check, stats: SendStats) -> None:
+    """Run the protocol, filling ``stats``; raises on the first failure (the
+    caller aborts its communicator). ``cancelled`` raises once the push is
+    cancelled; it is polled in every wait."""
+    if pause:
+        control.pause(pause)
+    try:
+        t1 = time.perf_counter()
+        control.start()
+        t2 = time.perf_counter()
+        for payload, broadcast in rounds:
+            b, h = _round(payload, broadcast, control, broadcaster, timeout_s,
+                          http_timeout_s, cancelled)
+            stats.broadcast_s += b
+            stats.host_s += h
+        t3 = time.perf_counter()
+        control.finish(weight_version)
+        t4 = time.perf_counter()
+    except BaseException:
+        if pause:
+            try:
+                control.resume()
+            except Exception:  # the first failure is the one to report
+                pass
+        raise
+    if pause:
+        control.resume()
+    stats.start_s, stats.transfer_s, stats.finish_s = t2 - t1, t3 - t2, t4 - t3
+
+
+def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control: ControlPlane,
+           broadcaster: Timed, timeout_s: float, http_timeout_s: float,
+           cancelled: Check) -> tuple[float, float]:
+    """Broadcast while the workers receive in ``/update_weights``; returns the
+    broadcasts' own span and the host's packing time."""
+    futures = control.update(payload, http_timeout_s)
+
+    def check() -> None:
+        cancelled()
+        for f in futures:  # a worker that refused fails the push at once
+            if f.done() and f.exception() is not None:
+                f.result()
+
+    check()
+    broadcast(check)
+    span = time.perf_counter() - broadcaster.started if broadcaster.started else 0.0
+    deadline = time.monotonic() + timeout_s
+    for client, f in zip(control.clients, futures):
+        while True:
+            check()
+            try:
+                f.result(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
+                break
+            except FutureTimeout:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{client.base_url}/update_weights did not answer within {timeout_s}s "
+                        "of the last broadcast: a worker is stuck (in load_weights, or in "
+                        "NCCL waiting for data that was never sent)") from None
+    return span, broadcaster.host_s
+
+
+class PendingSend:
+    """A push in flight on its own thread. ``result()`` waits for it.
+
+    ``done()``: whether it finished (either way). ``result(timeout)``: its
+    ``SendStats``, or its ``SendError``; ``TimeoutError`` if it has not
+    finished within ``timeout`` seconds (it goes on). A Ctrl-C while
+    waiting cancels the push (the communicator is aborted) and propagates.
+    """
+
+    def __init__(self, work: Callable[[Check], SendStats], *, name: str,
+                 stuck: Callable[[], str]):
+        self._future: Future[SendStats] = Future()
+        self._cancel = threading.Event()
+        self._why = ""
+        self._stuck = stuck
+        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[Check], SendStats]) -> None:
+        try:
+            self._future.set_result(work(self._cancelled))
+        except BaseException as e:
+            self._future.set_exception(e)
+
+    def _cancelled(self) -> None:
+        if self._cancel.is_set():
+            raise PushCancelled(f"the push was cancelled ({self._why})")
+
+    def cancel(self, why: str) -> None:
+        """Ask the push to stop: it aborts its communicator at its next poll."""
+        self._why = why
+        self._cancel.set()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SendStats:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    return self._future.result(timeout=0.05)
+                except FutureTimeout:
+                    pass
+                stuck = self._stuck()
+                if stuck:  # inside NCCL past its deadline: give it up, never free under it
+                    self.cancel(stuck)
+                    raise SendError(f"weight push failed: {stuck}. The communicator was "
+                                    "abandoned; call reconnect() before the next send")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the push did not finish within {timeout}s; it goes "
+                                       "on (wait again, or close() to cancel it)")
+        except KeyboardInterrupt:
+            self.cancel("KeyboardInterrupt")
+            self.wait_stopped(CANCEL_GRACE_S)
+            raise
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the push thread to end, whatever the outcome."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -1,0 +1,206 @@
+"""A whole push on CPU: the sender's real code over an in-memory wire.
+
+``MemoryServer`` is a real HTTP server on loopback that serves vLLM's update
+routes with vLLM's session rules, and whose ``/update_weights`` receives
+like a vLLM worker: it cuts the call's metadata into chunks with vLLM's rule
+(or one broadcast per tensor), takes exactly that many broadcasts off the
+wire, and stores each tensor's bytes. ``MemoryBroadcaster`` stands where
+NCCL stands on a GPU: it lays the sender's tensors out as the broadcasts
+would carry them and puts them on the wire. Only the transport is in memory;
+the route order, the chunking, the metadata reuse, and which tensor lands
+where are the sender's own.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jax
+import numpy as np
+
+from jax_sender import SendConfig, WeightSender
+from jax_sender.plan import TensorMeta, plan_chunks
+from jax_sender.sender import SingleProcess
+from nccl_cffi.dtypes import numpy_dtype
+from uniqueid import Connection, InitInfo, UniqueId, UpdateInfo, VLLMClient
+
+
+class MemoryComm:
+    """What a sender asks of its communicator outside the broadcasts."""
+
+    def __init__(self) -> None:
+        self.in_call_since = 0.0
+        self.aborted = ""
+        self.destroyed = False
+
+    def abort(self, reason: str = "aborted") -> None:
+        self.aborted = self.aborted or reason
+
+    def destroy(self) -> None:
+        self.destroyed = True
+
+
+class MemoryBroadcaster:
+    """Puts each broadcast's bytes on ``wire`` (root, bytes, time)."""
+
+    def __init__(self, wire: queue.Queue, delay_s: float = 0.0):
+        self.wire = wire
+        self.delay_s = delay_s
+        self.started = 0.0
+        self.host_s = 0.0
+        self.closed = False
+        self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time)
+
+    def _put(self, root: int, data: bytes, check) -> None:
+        self.started = self.started or time.perf_counter()
+        time.sleep(self.delay_s)
+        self.sent.append((root, len(data), time.monotonic()))
+        self.wire.put((root, data))
+        check()
+
+    def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
+        self.started = 0.0
+        for c in chunks:
+            data = b"".join(np.asarray(get(i)).tobytes() for i in range(c.start, c.stop))
+            assert len(data) == c.nbytes
+            self._put(root, data, check)
+
+    def unpacked(self, metas, get, root, *, timeout, check) -> None:
+        self.started = 0.0
+        for i, m in enumerate(metas):
+            self._put(root, np.asarray(get(i)).tobytes()[:m.nbytes], check)
+
+    def discard(self, metas, chunks, root, *, timeout, check) -> None:
+        raise AssertionError("a single process never discards")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class MemoryServer:
+    """vLLM's update routes over the wire; ``fail`` maps a path to an HTTP
+    status it answers with instead (vLLM's error shape)."""
+
+    def __init__(self, wire: queue.Queue, info: InitInfo):
+        self.wire, self.info = wire, info
+        self.fail: dict[str, int] = {}
+        self.log: list[tuple[str, float, float]] = []  # (path, arrived, answered)
+        self.store: dict[str, np.ndarray] = {}
+        self.active = False
+        self._last: UpdateInfo | None = None
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _do(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                arrived = time.monotonic()
+                status, body = server.route(path, json.loads(raw) if raw else None)
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                server.log.append((path, arrived, time.monotonic()))
+
+            do_GET = do_POST = _do
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def routes(self) -> list[str]:
+        return [p for p, _, _ in self.log]
+
+    def route(self, path: str, body) -> tuple[int, dict]:
+        if path in self.fail:
+            return self.fail[path], {"error": {"message": f"injected failure of {path}",
+                                               "type": "InternalServerError", "code": 500}}
+        if path == "/start_weight_update":
+            if self.active:
+                return 500, {"error": {"message": "an update is already active"}}
+            self.active = True
+        elif path == "/update_weights":
+            if not self.active:
+                return 500, {"error": {"message": "start_weight_update must be called first"}}
+            try:
+                self.receive(UpdateInfo.from_payload(body["update_info"]))
+            except Exception as e:
+                self.active = False
+                return 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+        elif path == "/finish_weight_update":
+            if not self.active:
+                return 500, {"error": {"message": "no matching start_weight_update"}}
+            self.active = False
+        return 200, {"message": "ok"}
+
+    def receive(self, update: UpdateInfo) -> None:
+        if not update.names:
+            update = self._last
+        self._last = update
+        metas = [TensorMeta(n, d, tuple(s)) for n, d, s in
+                 zip(update.names, update.dtype_names, update.shapes)]
+        if self.info.packed:
+            for c in plan_chunks(metas, self.info.packed_buffer_size_bytes):
+                data = self._take(c.nbytes, update.src)
+                for m, off in zip(metas[c.start:c.stop], c.offsets):
+                    self._load(m, data[off:off + m.nbytes])
+        else:
+            for m in metas:
+                self._load(m, self._take(m.nbytes, update.src))
+
+    def _take(self, nbytes: int, src: int) -> bytes:
+        root, data = self.wire.get(timeout=10)
+        assert (root, len(data)) == (src, nbytes), (root, len(data), src, nbytes)
+        return data
+
+    def _load(self, m: TensorMeta, data: bytes) -> None:
+        self.store[m.name] = np.frombuffer(data, numpy_dtype(m.dtype)).reshape(m.shape)
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1,
+                  delay_s: float = 0.0, **kwargs) -> tuple[WeightSender, list[MemoryServer],
+                                                           MemoryBroadcaster]:
+    """A sender on JAX's first CPU device, joined to ``servers`` memory servers
+    that one broadcast feeds (like one NCCL group), as ``connect`` builds it."""
+    wires = [queue.Queue() for _ in range(servers)]
+    uid = UniqueId.mint()
+    infos = [InitInfo(nccl_unique_id_b64=uid.to_b64(), rank_offset=1 + i,
+                      world_size=1 + servers, packed=config.packed,
+                      packed_buffer_size_bytes=config.buffer_size_bytes,
+                      packed_num_buffers=config.num_buffers) for i in range(servers)]
+    hosts = [MemoryServer(w, i) for w, i in zip(wires, infos)]
+    clients = [VLLMClient(h.url, read_timeout=20) for h in hosts]
+    conn = Connection(MemoryComm(), clients, infos, 0, uid)
+    route = SingleProcess(clients, 0, config)
+    tee = _Tee(wires)
+    caster = MemoryBroadcaster(tee, delay_s)
+    sender = WeightSender(conn, route, config=config, device=jax.devices("cpu")[0],
+                          broadcaster=lambda _: caster, **kwargs)
+    return sender, hosts, caster
+
+
+class _Tee:
+    """One broadcast reaches every server's wire."""
+
+    def __init__(self, wires: list[queue.Queue]):
+        self.wires = wires
+
+    def put(self, item) -> None:
+        for w in self.wires:
+            w.put(item)

@@ -1,0 +1,170 @@
+"""The whole ``send`` on CPU: route order, the update in flight while the
+broadcasts run, failures on each route, metadata reuse, asynchronous pushes.
+The transport is in memory (``memory_link.py``); everything else is real."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from memory_link import memory_sender
+
+from jax_sender import (LoadPlan, MetadataError, PendingSend, SendConfig, SendError,
+                        TensorMeta, describe)
+from jax_sender.naming import Mapping
+
+SMALL = SendConfig(buffer_size_bytes=4096, num_buffers=2)
+
+
+def params(seed: int = 0) -> dict:
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    return {"embed": jax.random.normal(k[0], (64, 48), jnp.bfloat16),       # 6 KiB: its own chunk
+            "layer": {"w": jax.random.normal(k[1], (16, 16), jnp.float32),
+                      "b": jnp.arange(7, dtype=jnp.int8),
+                      "n": jax.random.normal(k[2], (33,), jnp.bfloat16)},
+            "head": jax.random.normal(k[3], (40, 40), jnp.float16)}
+
+
+def held(server) -> dict:
+    return {k: v.tobytes() for k, v in server.store.items()}
+
+
+def expected(tree) -> dict:
+    metas, sources = describe(tree, Mapping())
+    return {m.name: np.asarray(a).tobytes() for m, (_, a) in zip(metas, sources)}
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_push_is_exact_and_follows_the_route_order(packed):
+    sender, (server,), caster = memory_sender(SendConfig(packed=packed, buffer_size_bytes=4096))
+    stats = sender.send(params(), weight_version="v1", pause="keep")
+    assert server.routes() == ["/pause", "/start_weight_update", "/update_weights",
+                               "/finish_weight_update", "/resume"]
+    assert held(server) == expected(params())
+    assert stats.tensors == 5 and stats.bytes == sum(len(b) for b in expected(params()).values())
+    # /update_weights was in flight during every broadcast: posted before the
+    # first, answered after the last.
+    (_, arrived, answered), = [e for e in server.log if e[0] == "/update_weights"]
+    assert arrived <= caster.sent[-1][2] <= answered
+    assert stats.returned_s > 0 and not sender.broken
+
+
+def test_the_largest_tensors_go_first_and_metadata_is_reused():
+    sender, (server,), caster = memory_sender(SMALL)
+    sender.send(params(0))
+    assert caster.sent[0][1] == 64 * 48 * 2  # embed, larger than the buffer, alone and first
+    first = [e for e in server.log if e[0] == "/update_weights"]
+    sender.send(params(1))
+    assert held(server) == expected(params(1))
+    assert sender.send(params(2)).reused_metadata
+    assert held(server) == expected(params(2))
+    assert len([e for e in server.log if e[0] == "/update_weights"]) == len(first) + 2
+
+
+def test_one_broadcast_feeds_two_servers():
+    sender, servers, _ = memory_sender(SMALL, servers=2)
+    sender.send(params(3))
+    for s in servers:
+        assert held(s) == expected(params(3))
+        assert s.routes() == ["/start_weight_update", "/update_weights",
+                              "/finish_weight_update"]
+
+
+def test_start_failing_on_the_second_server_finishes_the_first():
+    sender, (a, b), caster = memory_sender(SMALL, servers=2)
+    b.fail["/start_weight_update"] = 500
+    with pytest.raises(SendError, match="injected failure of /start_weight_update") as e:
+        sender.send(params())
+    assert a.routes() == ["/start_weight_update", "/finish_weight_update"] and not a.active
+    assert sender.broken and sender.connection.comm.aborted
+    assert not caster.sent  # nothing went on the wire
+    assert isinstance(e.value.__cause__, Exception)
+    with pytest.raises(SendError, match="broken"):
+        sender.send(params())
+
+
+@pytest.mark.parametrize("route", ["/finish_weight_update", "/pause", "/update_weights"])
+def test_a_failing_route_breaks_the_sender_with_a_send_error(route):
+    sender, (server,), _ = memory_sender(SMALL)
+    server.fail[route] = 500
+    with pytest.raises(SendError, match=f"injected failure of {route}"):
+        sender.send(params(), pause="abort")
+    assert sender.broken and sender.connection.comm.aborted
+    if route != "/pause":
+        assert server.routes()[-1] == "/resume"  # a pause is always undone
+
+
+def test_metadata_that_disagrees_is_refused_before_any_http_call():
+    sender, (server,), _ = memory_sender(SMALL)
+    declared = [TensorMeta("embed", "bfloat16", (64, 48))]
+    with pytest.raises(MetadataError, match="metadata declares 1 tensors but 5"):
+        sender.send(params(), metadata=declared)
+    assert server.routes() == [] and not sender.broken
+
+
+def test_load_plan_subsets_pass_and_strangers_are_refused_before_any_http_call():
+    plan = LoadPlan(describe(params(), Mapping())[0])
+    sender, (server,), _ = memory_sender(SMALL, load_plan=plan)
+    sender.send({"head": params()["head"]})
+    with pytest.raises(MetadataError, match=r"'head' sent as \(float32, \[40, 40\]\) was "
+                                            r"declared at init as \(float16, \[40, 40\]\)"):
+        sender.send({"head": jnp.zeros((40, 40), jnp.float32)})
+    with pytest.raises(MetadataError, match="'c' sent as .* was not declared"):
+        sender.send({"c": jnp.zeros(1, jnp.float32)})
+    assert server.routes().count("/update_weights") == 1 and not sender.broken
+
+
+def test_an_asynchronous_push_returns_at_once_and_survives_donation():
+    """The next step donates and overwrites the parameters right after
+    send(wait=False) returns: the push still delivers them as they were."""
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.05)
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0 + 1, p), donate_argnums=0)
+    p = params(4)
+    want = expected(p)
+    t = time.perf_counter()
+    pending = sender.send(p, wait=False)
+    returned = time.perf_counter() - t
+    assert isinstance(pending, PendingSend) and not pending.done()
+    p = step(p)  # the old buffers are donated, then overwritten
+    jax.block_until_ready(p)
+    stats = pending.result(timeout=20)
+    assert held(server) == want
+    assert returned < 0.05 * len(caster.sent) and stats.returned_s < stats.total_s
+
+
+def test_a_send_while_one_is_in_flight_waits_for_it():
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.02)
+    first = sender.send(params(5), wait=False)
+    sender.send(params(6))
+    assert first.done() and first.result().bytes
+    assert held(server) == expected(params(6))
+    assert server.routes().count("/start_weight_update") == 2
+
+
+def test_close_cancels_a_push_in_flight():
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
+    pending = sender.send(params(), wait=False)
+    time.sleep(0.1)
+    sender.close()
+    with pytest.raises(SendError, match=r"cancelled \(close\(\)\)"):
+        pending.result(timeout=5)
+    assert sender.connection.comm.aborted and caster.closed
+
+
+def test_staging_bound_too_small_falls_back_to_a_blocking_push():
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=100))
+    stats = sender.send(params(7), wait=False)
+    assert not isinstance(stats, PendingSend)  # it ran to the end before returning
+    assert held(server) == expected(params(7))
+
+
+def test_a_group_sender_refuses_an_asynchronous_push_clearly():
+    from jax_sender import TransferError
+    from jax_sender.group import BroadcastPlan, TrainerGroup
+    from jax_sender.sender import ProcessGroup
+    sender, (server,), _ = memory_sender(SMALL)
+    sender.route = ProcessGroup(TrainerGroup(BroadcastPlan.single(5), 0, 0, None, [], SMALL))
+    with pytest.raises(TransferError, match="single-process sender"):
+        sender.send(params(), wait=False)
+    assert server.routes() == [] and not sender.broken

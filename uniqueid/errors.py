@@ -1,0 +1,12 @@
+"""The root of this package's errors, kept apart so every module can use it."""
+
+
+class RendezvousError(RuntimeError):
+    """The root of ``uniqueid``'s errors: joining or talking to the workers
+    failed (a bad id, an HTTP error, a server that cannot be reached, an
+    init that was refused or timed out). After a failed join the trainer's
+    communicator has been given up."""
+
+
+class RendezvousTimeout(RendezvousError, TimeoutError):
+    """Joining the workers did not finish within the deadline."""
