@@ -1,6 +1,6 @@
 """Weight-push throughput, latency and memory, next to baselines measured in the same run.
 
-    python benches/bench.py [--reps 5] [--quick] [--only dense|servers|sparse]  # >= 2 GPUs
+    python benches/bench.py [--reps 5] [--quick] [--only dense|servers|sparse|slow|train]
     python benches/bench.py --plot results/bench.json  # redraw the plot elsewhere
 
 GPU 0 is the trainer, GPU 1 the receiver. Rows:
@@ -16,8 +16,16 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
 - with 4 GPUs: a 4-rank raw broadcast, and ``qwen3-8b`` into three servers
   (GPUs 1-3) by one broadcast, against one push per server in turn;
 - ``send_sparse`` of ``qwen3-8b`` with 1%, 10% and 50% of the elements
-  changed into vLLM's own ``sparse_nccl`` engine (``jax_sender.vllm_sparse``),
-  next to the dense sends above.
+  changed into vLLM's own ``sparse_nccl`` engine (``jax_sender.testing.vllm_sparse``),
+  next to the dense sends above;
+- a push's fixed cost: one 4 KiB tensor, the whole ``send()`` against vLLM's
+  torch engine's ``send_weights()`` (both: start, update, finish);
+- a slow link (``--only slow``): both ends forced onto NCCL's socket
+  transport over loopback, four qwen3-8b layers, a dense push against
+  ``send_sparse`` at 1% and 10% changed;
+- a training loop (``--only train``): a Flax decoder's step on GPU 0
+  (forward, backward, SGD, parameters donated) pushing to the server after
+  every step: no push, the blocking push, ``send(wait=False)``.
 
 Send time: from posting ``/update_weights`` (the broadcasts start at once)
 to its answer, i.e. every worker holding every
@@ -44,7 +52,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from jax_sender.harness import SHARE_GPUS, gpu_count, gpu_env, run_all  # noqa: E402
+from jax_sender.testing.harness import SHARE_GPUS, gpu_count, gpu_env, run_all  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 OUT = ROOT / "results"
@@ -66,7 +74,8 @@ def _layer(n: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
-    """``qwen3-8b`` (~16.4 GB), ``many-small`` (20,000 x 32 KiB), ``large`` (~70 GB)."""
+    """``qwen3-8b`` (~16.4 GB), ``many-small`` (20,000 x 32 KiB), ``large`` (~70 GB),
+    ``tiny`` (one 4 KiB tensor), ``layers4`` (four qwen3-8b layers, ~1.6 GB)."""
     if name == "qwen3-8b":
         v, h = 151936, 4096
         body = [t for n in range(36) for t in _layer(n)]
@@ -74,6 +83,10 @@ def workload(name: str) -> list[tuple[str, tuple[int, ...]]]:
                 + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))])
     if name == "many-small":
         return [(f"model.experts.{i}.w", (16384,)) for i in range(20000)]
+    if name == "tiny":  # one 4 KiB tensor: a push's fixed cost
+        return [("model.norm.weight", (2048,))]
+    if name == "layers4":  # ~1.6 GB: four qwen3-8b layers, for the slow link
+        return [t for n in range(4) for t in _layer(n)]
     if name == "large":
         per_layer = sum(math.prod(s) * 2 for _, s in _layer(0))
         return [t for n in range(round(70e9 / per_layer)) for t in _layer(n)]
@@ -160,10 +173,7 @@ def role_seq(urls: str, jobs: str) -> None:
     from jax_sender import WeightSender
     for job in json.loads(jobs):
         pairs = _workload_pairs(job["workload"])
-        senders = [WeightSender.connect(u, packed=job["mode"] == "packed",
-                                        packed_buffer_size_bytes=job["buffer"],
-                                        packed_num_buffers=job["nbuf"])
-                   for u in json.loads(urls)]
+        senders = [WeightSender.connect(u, config=_config(job)) for u in json.loads(urls)]
         transfer, total = [], []
         for _ in range(job["reps"] + 1):
             t = time.perf_counter()
@@ -176,6 +186,12 @@ def role_seq(urls: str, jobs: str) -> None:
                    tensors=stats[0].tensors))
 
 
+def _config(job: dict):
+    from jax_sender import SendConfig
+    return SendConfig(packed=job["mode"] == "packed", buffer_size_bytes=job["buffer"],
+                      num_buffers=job["nbuf"])
+
+
 def role_jax(url: str, jobs: str) -> None:
     """Our sender, one process for every job (a job: workload, mode, buffer
     geometry). ``url``: one server, or a JSON list of servers fed by one broadcast."""
@@ -183,26 +199,30 @@ def role_jax(url: str, jobs: str) -> None:
 
     from jax_sender import WeightSender
     dev = jax.devices()[0]
-    sender, pairs, current = None, None, None
+    sender, pairs, current, geometry = None, None, None, None
     servers = json.loads(url) if url.startswith("[") else url
     for job in json.loads(jobs):
         if job["workload"] != current:
             pairs = None  # free the previous workload first
             pairs = _workload_pairs(job["workload"])
             current = job["workload"]
-        geometry = dict(packed=job["mode"] == "packed", packed_buffer_size_bytes=job["buffer"],
-                        packed_num_buffers=job["nbuf"])
-        if sender is None:
-            sender = WeightSender.connect(servers, **geometry)
-        else:
-            sender.reconnect(**geometry)  # frees the previous arena
+        if _config(job) != geometry:  # a new geometry is a new group (and frees the slots)
+            if sender is not None:
+                sender.close()
+            geometry = _config(job)
+            sender = WeightSender.connect(servers, config=geometry)
         base = dev.memory_stats()["bytes_in_use"]
-        stats = [sender.send(pairs) for _ in range(job["reps"] + 1)][1:]
+        stats, wall = [], []
+        for _ in range(job["reps"] + 1):
+            t = time.perf_counter()
+            stats.append(sender.send(pairs))
+            wall.append(time.perf_counter() - t)
+        stats, wall = stats[1:], wall[1:]
         s = stats[0]
         _emit(dict(job, transfer=[x.transfer_s for x in stats],
                    broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
                    prepare=[x.prepare_s for x in stats], host=[x.host_s for x in stats],
-                   bytes=s.bytes, tensors=s.tensors,
+                   wall=wall, bytes=s.bytes, tensors=s.tensors,
                    chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
                    held=dev.memory_stats()["bytes_in_use"] - base,
                    # the process-wide peak: meaningful for the first job only
@@ -210,15 +230,15 @@ def role_jax(url: str, jobs: str) -> None:
     sender.close()
 
 
-def role_sparse(url: str, fractions: str, reps: str) -> None:
-    """``send_sparse`` of ``qwen3-8b`` with a fraction of each tensor's elements changed."""
+def role_sparse(url: str, fractions: str, reps: str, name: str = "qwen3-8b") -> None:
+    """``send_sparse`` of workload ``name`` with a fraction of each tensor's elements changed."""
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import WeightSender
-    old = _workload_pairs("qwen3-8b")
+    from jax_sender import SendConfig, WeightSender
+    old = _workload_pairs(name)
     keys = jax.random.split(jax.random.PRNGKey(0), len(old))  # the keys behind the values
-    sender = WeightSender.connect(url, packed=False)
+    sender = WeightSender.connect(url, config=SendConfig(packed=False))
     bump = jax.jit(lambda a, k, f: jnp.where(jax.random.uniform(k, a.shape) < f, a + 1, a))
     for f in json.loads(fractions):
         new = None  # free the previous fraction's copy first
@@ -232,6 +252,57 @@ def role_sparse(url: str, fractions: str, reps: str) -> None:
     sender.close()
 
 
+def role_train(url: str, steps: str) -> None:
+    """A Flax decoder's training step (forward, backward, SGD; the old
+    parameters donated) on GPU 0, pushing to the server after every step:
+    no push, the blocking push, the asynchronous push."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sender import LLAMA, WeightSender
+    from jax_sender.demo.model import Config, Decoder, init_params
+    cfg = Config(vocab=32000, hidden=2048, intermediate=5632, layers=8, heads=16, kv_heads=4,
+                 head_dim=128)
+    model = Decoder(cfg)
+    params = init_params(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 513), 0, cfg.vocab)
+
+    def loss(p, t):
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), t[:, 1:, None], -1))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(p, t):
+        value, grads = jax.value_and_grad(loss)(p, t)
+        return jax.tree_util.tree_map(lambda a, g: (a - 1e-4 * g).astype(a.dtype), p, grads), value
+
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    sender = WeightSender.connect(url, mapping=LLAMA)
+    n = int(steps)
+    for mode in ("none", "blocking", "async", "none"):
+        walls, blocked, pushes = [], [], []
+        for _i in range(n + 2):
+            t = time.perf_counter()
+            params, value = step(params, tokens)
+            value.block_until_ready()
+            if mode != "none":
+                s0 = time.perf_counter()
+                out = sender.send(params, wait=mode == "blocking")
+                blocked.append(time.perf_counter() - s0)
+                pushes.append(out)
+            walls.append(time.perf_counter() - t)
+        if mode == "async":
+            stats = [p.result() for p in pushes]
+        else:
+            stats = pushes
+        _emit(dict(mode=mode, step=walls[2:], blocked=blocked[2:],
+                   transfer=[x.transfer_s for x in stats[2:]], bytes=nbytes,
+                   tensors=len(jax.tree_util.tree_leaves(params))))
+    sender.close()
+
+
 def role_torch(url: str, jobs: str) -> None:
     """vLLM 0.33.0's own trainer engine (torch), same workloads, same server."""
     from functools import cached_property
@@ -239,10 +310,12 @@ def role_torch(url: str, jobs: str) -> None:
     _vllm_path()
     import torch
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
-                                                              NCCLTrainerWeightTransferEngine)
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
 
-    from jax_sender.harness import free_port
+    from jax_sender.testing.harness import free_port
     from uniqueid import VLLMClient
     torch.cuda.set_device(0)
 
@@ -301,7 +374,7 @@ def role_torch(url: str, jobs: str) -> None:
             totals.append(time.perf_counter() - t)
         engine.shutdown()
         client.http.shutdown_weight_transfer_engine()
-        _emit(dict(job, transfer=client.spans[1:], total=totals[1:],
+        _emit(dict(job, transfer=client.spans[1:], total=totals[1:], wall=totals[1:],
                    bytes=sum(t.numel() * t.element_size() for _, t in pairs),
                    tensors=len(pairs)))
 
@@ -357,11 +430,32 @@ def _job(workload_: str, mode: str, reps: int, buffer: int = GiB, nbuf: int = 2)
 
 
 SPARSE_FRACTIONS = [0.01, 0.1, 0.5]
+SLOW_FRACTIONS = [0.01, 0.1]
+# Both ends on NCCL's socket transport over loopback: a slow link between
+# trainer and servers, the case sparse updates exist for.
+SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+             "NCCL_SOCKET_IFNAME": "lo"}
+STAGES = ("dense", "servers", "sparse", "slow", "train")
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]):
+    """``extra`` in this process's environment, which every child inherits."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(reps: int, quick: bool, only: str | None = None) -> dict:
     """Every stage's figures are saved as soon as they exist."""
-    from jax_sender.harness import vllm_available
+    from jax_sender.testing.harness import vllm_available
     if os.environ.get(SHARE_GPUS):
         sys.exit(f"unset {SHARE_GPUS}: ranks sharing a GPU talk over sockets, so their "
                  "timings mean nothing")
@@ -382,14 +476,36 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
             data["sparse_target"] = ("vLLM 0.33.0 sparse_nccl engine" if vllm
                                      else "reference receiver, sparse_nccl")
             data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
+        save()
+    if only in (None, "slow"):
+        _slow(data, reps, vllm, save)
+    if only in (None, "train"):
+        with _server("1", vllm) as url:
+            data["train"] = _one("role_train", url, "20")
+        save()
     save()
     return data
+
+
+def _slow(data: dict, reps: int, vllm: bool, save) -> None:
+    """Four qwen3-8b layers over NCCL's socket transport on loopback: a dense
+    packed push into the dense engine, against sparse pushes into the sparse one."""
+    with _environment(SLOW_LINK):
+        data["slow_link"] = " ".join(f"{k}={v}" for k, v in SLOW_LINK.items())
+        with _server("1", vllm) as url:
+            data["slow_dense"] = _one("role_jax", url,
+                                      json.dumps([_job("layers4", "packed", reps)]))
+        save()
+        with _server("1", vllm, sparse=True) as url:
+            data["slow_sparse"] = _one("role_sparse", url, json.dumps(SLOW_FRACTIONS),
+                                       str(reps), "layers4")
+        save()
 
 
 def _server(gpu: str, vllm: bool, sparse: bool = False):
     """The receiving server on ``gpu``: vLLM 0.33.0's own when it imports here
     (its log under the results folder), else the reference receiver."""
-    from jax_sender.harness import ReferenceServer, VLLMServer
+    from jax_sender.testing.harness import ReferenceServer, VLLMServer
     if not vllm:
         return ReferenceServer([gpu], backend="sparse_nccl" if sparse else "nccl")
     name = f"vllm_{'sparse_' * sparse}server_{gpu}"
@@ -415,7 +531,8 @@ def _servers(data: dict, reps: int, vllm: bool, save) -> None:
 def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
     data["init"] = _init_latency(reps, vllm)
     save()
-    main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps)]
+    main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps),
+            _job("tiny", "packed", reps)]
     sweep = [] if quick else [
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
@@ -449,12 +566,80 @@ def report(data: dict) -> str:
              _row("raw ncclBroadcast 1 GiB, 2 ranks (baseline)", GiB, data["raw"], raw,
                   "10 back-to-back broadcasts per repetition")]
     if "ours" in data:
-        lines += _dense_report(data, raw)
+        lines += _dense_report(data, raw) + _fixed_report(data)
     if "servers_seq" in data:
         lines += _servers_report(data)
     if "sparse" in data:
         lines += _sparse_report(data, raw)
+    if "slow_sparse" in data:
+        lines += _slow_report(data)
+    if "train" in data:
+        lines += _train_report(data)
     return "\n".join(lines)
+
+
+def _ms(times: list[float]) -> str:
+    return f"{statistics.median(times) * 1e3:.2f}"
+
+
+def _fixed_report(data: dict) -> list[str]:
+    ours = next((j for j in data["ours"] if j["workload"] == "tiny"), None)
+    theirs = next((j for j in data.get("torch", []) if j["workload"] == "tiny"), None)
+    if ours is None:
+        return []
+    lines = ["", "A push's fixed cost: one 4 KiB tensor, the whole call (start, update, "
+             "finish), median ms.", "",
+             "| sender | median ms | best ms | ratio |", "| --- | --- | --- | --- |",
+             f"| ours, `send()` | {_ms(ours['wall'])} | {min(ours['wall']) * 1e3:.2f} | "
+             + (f"{statistics.median(ours['wall']) / statistics.median(theirs['wall']):.2f} |"
+                if theirs else " |")]
+    if theirs:
+        lines.append(f"| vLLM's torch engine, `send_weights()` | {_ms(theirs['wall'])} | "
+                     f"{min(theirs['wall']) * 1e3:.2f} | 1.00 |")
+    return lines
+
+
+def _slow_report(data: dict) -> list[str]:
+    dense = data["slow_dense"][0]
+    base = statistics.median(dense["transfer"])
+    lines = ["", f"Slow link: both ends on NCCL's socket transport (`{data['slow_link']}`), "
+             f"four qwen3-8b layers ({dense['bytes'] / 1e9:.2f} GB).", "",
+             "| push | wire GB | median s | best s | x faster than dense |",
+             "| --- | --- | --- | --- | --- |",
+             f"| dense, packed 1 GiB x 2 | {dense['bytes'] / 1e9:.2f} | {base:.3f} | "
+             f"{min(dense['transfer']):.3f} | 1.0 |"]
+    for j in data["slow_sparse"]:
+        med = statistics.median(j["transfer"])
+        lines.append(f"| sparse, {j['fraction']:.0%} changed | {j['bytes'] / 1e9:.3f} | "
+                     f"{med:.3f} | {min(j['transfer']):.3f} | {base / med:.1f} |")
+    return lines
+
+
+def _train_report(data: dict) -> list[str]:
+    rows = {}
+    for j in data["train"]:
+        rows.setdefault(j["mode"], j)  # the first "none" (before any push)
+    none = statistics.median(rows["none"]["step"])
+    lines = ["", f"Training loop: a Flax decoder ({rows['none']['bytes'] / 1e9:.2f} GB of bf16 "
+             f"parameters, {rows['none']['tensors']} tensors) trains on GPU 0 and pushes to "
+             f"{data['target']} on GPU 1 after every step; medians over "
+             f"{len(rows['none']['step'])} steps.", "",
+             "| push | step ms | added to a step ms | trainer blocked ms | push's transfer ms |",
+             "| --- | --- | --- | --- | --- |"]
+    for mode, label in (("none", "none"), ("blocking", "blocking `send()`"),
+                        ("async", "`send(wait=False)`")):
+        j = rows.get(mode)
+        if j is None:
+            continue
+        step = statistics.median(j["step"])
+        lines.append(f"| {label} | {step * 1e3:.2f} | {(step - none) * 1e3:.2f} | "
+                     + (f"{_ms(j['blocked'])} | {_ms(j['transfer'])} |" if j["blocked"]
+                        else "0 | |"))
+    if "blocking" in rows and "async" in rows:
+        add = lambda m: statistics.median(rows[m]["step"]) - none  # noqa: E731
+        lines += ["", f"The asynchronous push adds {add('async') / add('blocking'):.2f} x what "
+                  "the blocking push adds to a step."]
+    return lines
 
 
 def _servers_report(data: dict) -> list[str]:
@@ -510,15 +695,15 @@ def _dense_report(data: dict, raw: float) -> list[str]:
     torch_rows = {(j["workload"], j["mode"]): j for j in data.get("torch", [])}
     for j in data["ours"]:
         default = (j["buffer"], j["nbuf"]) == (GiB, 2)
-        if j["workload"] == "qwen3-8b" and not default:
-            continue  # in the sweep table
+        if (j["workload"] == "qwen3-8b" and not default) or j["workload"] == "tiny":
+            continue  # in the sweep table, or the fixed-cost one
         label = f"{j['mode']} send {j['workload']} -> {target}"
         bcast = statistics.median(j["broadcast"])
         note = (f"{j['tensors']} tensors, {j['chunks']} "
                 f"{'chunks' if j['mode'] == 'packed' else 'broadcasts'}; "
                 f"broadcasts alone {j['bytes'] / bcast / 1e9:.1f} GB/s")
         if j["workload"] == "many-small":
-            per = lambda k: statistics.median(j[k]) / j["tensors"] * 1e6  # noqa: E731
+            per = lambda k, j=j: statistics.median(j[k]) / j["tensors"] * 1e6  # noqa: E731
             note += (f"; per tensor: {per('transfer'):.1f} us in all, of which the sender's "
                      f"host {per('host'):.1f} us; prepare {per('prepare'):.1f} us")
         if j is data["ours"][0]:
@@ -586,7 +771,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
-    ap.add_argument("--only", choices=["dense", "servers", "sparse"],
+    ap.add_argument("--only", choices=STAGES,
                     help="the raw baseline and this stage only (servers: 4 GPUs)")
     ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
     ap.add_argument("--out", default=str(OUT), help="results folder (default: results/)")

@@ -31,14 +31,23 @@ import jax
 import numpy as np
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT
-from uniqueid import (UNIQUE_ID_BYTES, Connection, InitInfo, RendezvousError,
-                      RendezvousTimeout, UniqueId, UpdateInfo, VLLMClient, connect, handshake,
-                      in_background)
+from uniqueid import (
+    UNIQUE_ID_BYTES,
+    Connection,
+    InitInfo,
+    RendezvousError,
+    RendezvousTimeout,
+    UniqueId,
+    UpdateInfo,
+    VLLMClient,
+    connect,
+    handshake,
+    in_background,
+)
 
 from .config import SendConfig
 from .errors import GatherTimeout
-from .plan import (Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks,
-                   wire_order)
+from .plan import Chunk, MetadataError, TensorMeta, check_alignment, plan_chunks, wire_order
 
 # ``share(data, timeout_s)``: process 0 passes bytes, every other process None; all get
 # process 0's, or a ``RendezvousTimeout`` after ``timeout_s``.
@@ -65,7 +74,7 @@ class BroadcastPlan:
         return self.group.index(process) if process in self.group else None
 
     @classmethod
-    def single(cls, n: int) -> "BroadcastPlan":
+    def single(cls, n: int) -> BroadcastPlan:
         """One process: rank 0 sends all ``n`` tensors."""
         return cls((0,), (Turn(0, 0, tuple(range(n))),))
 

@@ -71,7 +71,7 @@ def named_arrays(params: Any, mapping: Mapping = Mapping()) -> list[tuple[str, P
 
 
 # -- Llama / Qwen-style decoders ---------------------------------------------
-# The Flax layout of jax_sender.models.llama (and of most Flax ports):
+# The Flax layout of jax_sender.demo.model (and of most Flax ports):
 #   embed_tokens/embedding, layers_{i}/{self_attn,mlp}/{proj}/kernel,
 #   layers_{i}/{input,post_attention}_layernorm/scale, norm/scale, lm_head/kernel,
 #   layers_{i}/self_attn/{q,k}_norm/scale (Qwen3).

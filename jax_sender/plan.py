@@ -42,7 +42,7 @@ class TensorMeta:
         return self.numel * NCCL_TYPES[self.dtype][1]
 
     @classmethod
-    def of(cls, name: str, array) -> "TensorMeta":
+    def of(cls, name: str, array) -> TensorMeta:
         """Metadata of an array (or ``jax.ShapeDtypeStruct``), dtype checked for the wire."""
         try:
             dt = dtype_name(array.dtype)
@@ -165,7 +165,7 @@ class LoadPlan:
         self._declared = {m.name: (m.dtype, m.shape) for m in metas}
 
     @classmethod
-    def from_payload(cls, metadata: Sequence[Sequence[Any]]) -> "LoadPlan":
+    def from_payload(cls, metadata: Sequence[Sequence[Any]]) -> LoadPlan:
         """From ``init_info["metadata"]``: ``[[name, dtype_name, shape], ...]``."""
         try:
             return cls([TensorMeta(str(n), str(d), tuple(int(x) for x in s))

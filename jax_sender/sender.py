@@ -37,8 +37,19 @@ from uniqueid.wire import SparseUpdateInfo
 from .config import SendConfig
 from .control import ControlPlane
 from .errors import MetadataError, SendError, TransferError
-from .group import (BroadcastPlan, Share, TrainerGroup, TurnUpdate, broadcast_plan, gather,
-                    join_gathers, owners_of, ready, share_from_process_0, turn_updates)
+from .group import (
+    BroadcastPlan,
+    Share,
+    TrainerGroup,
+    TurnUpdate,
+    broadcast_plan,
+    gather,
+    join_gathers,
+    owners_of,
+    ready,
+    share_from_process_0,
+    turn_updates,
+)
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
 from .plan import LoadPlan, TensorMeta, check_against, check_unique
@@ -232,7 +243,7 @@ class WeightSender:
     @classmethod
     def connect(cls, servers: Servers, *, device: int | None = None,
                 mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
-                load_plan: Any = None, workers: Sequence[int] | None = None) -> "WeightSender":
+                load_plan: Any = None, workers: Sequence[int] | None = None) -> WeightSender:
         """Join the servers' workers (init + warm-up) and return a sender.
 
         ``device``: CUDA ordinal of the trainer's GPU (default: JAX's first GPU).
@@ -252,7 +263,7 @@ class WeightSender:
     def connect_group(cls, servers: Servers, params: Any, *, device: int | None = None,
                       mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
                       share: Share = share_from_process_0, load_plan: Any = None,
-                      workers: Sequence[int] | None = None) -> "WeightSender":
+                      workers: Sequence[int] | None = None) -> WeightSender:
         """Every trainer process of a multi-host JAX job calls this, with the
         same ``params`` (global arrays) and arguments: each parameter is sent
         by its first owner (see ``group.py``). Process 0 talks to the servers
@@ -655,7 +666,7 @@ class WeightSender:
             self._broadcaster.close()
             self._broadcaster = None
 
-    def __enter__(self) -> "WeightSender":
+    def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,6 +1,7 @@
 """A cffi binding over libnccl: library discovery, unique ids, communicators
 with deadlines, collectives, and typed errors. No torch, no compiler."""
 
+from .buffers import DeviceBuffer, as_buffer
 from .comm import (
     DEFAULT_INIT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,
@@ -11,7 +12,6 @@ from .comm import (
     unique_id_from_bytes,
     unique_id_to_bytes,
 )
-from .buffers import DeviceBuffer, as_buffer
 from .dtypes import NCCL_TYPES, dtype_name, itemsize, nccl_type, numpy_dtype
 from .errors import (
     CudaError,

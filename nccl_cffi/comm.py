@@ -116,8 +116,8 @@ class Communicator:
                   blocking: bool = False,
                   timeout: float | None = DEFAULT_INIT_TIMEOUT,
                   check: Callable[[], None] | None = None,
-                  then: Callable[["Communicator", float | None, Callable[[], None]], None]
-                  | None = None) -> "Communicator":
+                  then: Callable[[Communicator, float | None, Callable[[], None]], None]
+                  | None = None) -> Communicator:
         """Join the communicator of ``nranks`` ranks named by ``unique_id`` as ``rank``.
 
         Every rank must call this concurrently; NCCL has no barrier before it.
@@ -169,8 +169,8 @@ class Communicator:
     @classmethod
     def _init_blocking(cls, nranks: int, uid: Any, rank: int, device: int,
                        timeout: float | None, check: Callable[[], None] | None,
-                       then: Callable[["Communicator", float | None, Callable[[], None]], None]
-                       | None, why: str) -> "Communicator":
+                       then: Callable[[Communicator, float | None, Callable[[], None]], None]
+                       | None, why: str) -> Communicator:
         """A blocking init (and ``then``) on a daemon thread, waited for with a deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         result: Future[Communicator] = Future()
@@ -318,7 +318,7 @@ class Communicator:
 
     finalize = destroy
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -439,7 +439,7 @@ class Communicator:
         finally:
             event.close()
 
-    def wait_event(self, event: "cuda.Event", timeout: float | None,
+    def wait_event(self, event: cuda.Event, timeout: float | None,
                    what: str = "collective", check: Callable[[], None] | None = None) -> None:
         """Wait for ``event`` with a deadline, surfacing NCCL async errors.
 

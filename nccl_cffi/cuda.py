@@ -123,7 +123,7 @@ class Stream:
         self._ptr = _raw()[0].cast("void *", self.handle)
         self._finalizer = weakref.finalize(self, _destroy_stream, device, self._stream)
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         ffi, lib = _raw()
         _raw_check(lib.cuStreamWaitEvent(self._ptr, event._ptr, 0), "cuStreamWaitEvent")
 
@@ -149,7 +149,7 @@ class Event:
         self._ptr = _raw()[0].cast("void *", int(self._event))
         self._finalizer = weakref.finalize(self, _driver().cuEventDestroy, self._event)
 
-    def record(self, stream: Stream | int) -> "Event":
+    def record(self, stream: Stream | int) -> Event:
         ffi, lib = _raw()
         s = stream._ptr if isinstance(stream, Stream) else ffi.cast("void *", stream)
         _raw_check(lib.cuEventRecord(self._ptr, s), "cuEventRecord")

@@ -32,7 +32,7 @@ class NcclError(RuntimeError):
         return _rebuild, (type(self), str(self), self.code, self.last_error)
 
 
-def _rebuild(cls: type, message: str, code: int, last_error: str) -> "NcclError":
+def _rebuild(cls: type, message: str, code: int, last_error: str) -> NcclError:
     return cls(message, code=code, last_error=last_error)
 
 

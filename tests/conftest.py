@@ -3,7 +3,7 @@ import os
 import jax
 import pytest
 
-from jax_sender.harness import SHARE_GPUS, gpu_count
+from jax_sender.testing.harness import SHARE_GPUS, gpu_count
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The pytest process itself stays off the GPUs (XLA would preallocate 75% of

@@ -139,10 +139,11 @@ def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
     """Sender -> server at ``url``: two versions, metadata reuse, bit-exact checks."""
     import jax
 
-    from jax_sender import WeightSender
+    from jax_sender import SendConfig, WeightSender
     packed = mode == "packed"
     n = int(ranks)
-    sender = WeightSender.connect(url, packed=packed, packed_buffer_size_bytes=1 << 20)
+    sender = WeightSender.connect(url, config=SendConfig(packed=packed,
+                                                         buffer_size_bytes=1 << 20))
     client = sender.clients[0]
     dev = jax.devices()[0]
     base = dev.memory_stats()["bytes_in_use"]
@@ -155,6 +156,8 @@ def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
             ans = client.weight_checker("compare", baseline=_checksums(pairs, n))
             assert ans["match"], ans["mismatches"][:5]
             assert client.weight_info()["weight_version"] == f"v{i}"
+            check = sender.verify(pairs)
+            assert check.ok and len(check.matched) == len(pairs), check
         del pairs
         peaks.append(dev.memory_stats()["bytes_in_use"] - base)
     largest = 600 * 1000 * 4
@@ -166,6 +169,34 @@ def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
     print(f"OK {mode} -> {n} receiver(s), {repeat} sends, bit-exact; sender extra memory "
           f"after sends: first {peaks[0]} B, last {peaks[-1]} B, max {extra} B "
           f"(bound {bound} B); last: {stats}")
+
+
+def async_donation(url: str) -> None:
+    """send(wait=False), then at once a step that donates the parameters and
+    overwrites them: the push still delivers them as they were when sent."""
+    import jax
+
+    from jax_sender import PendingSend, SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    step = jax.jit(lambda xs: [(x * 0 + 7).astype(x.dtype) for x in xs], donate_argnums=0)
+    for i in range(3):
+        pairs = _test_tensors(20 + i)
+        want = _checksums(pairs, 1)  # the values as sent
+        t = time.perf_counter()
+        pending = sender.send(pairs, weight_version=f"v{i}", wait=False)
+        returned = time.perf_counter() - t
+        assert isinstance(pending, PendingSend), pending
+        arrays = step([a for _, a in pairs])  # donated: their memory is reused at once
+        assert all(a.is_deleted() for _, a in pairs if a.size)
+        jax.block_until_ready(arrays)
+        stats = pending.result(timeout=120)
+        ans = sender.clients[0].weight_checker("compare", baseline=want)
+        assert ans["match"], ans["mismatches"][:5]
+        del pairs, arrays
+    sender.close()
+    print(f"OK three asynchronous pushes, each followed at once by a donating step, "
+          f"bit-exact; the last returned after {returned * 1e3:.1f} ms, its push took "
+          f"{stats.total_s * 1e3:.1f} ms")
 
 
 def vllm_refused(url: str) -> None:
@@ -216,14 +247,13 @@ def _expect_send_error(sender, pairs, limit: float) -> tuple[float, str]:
 
 def killed(mode: str, what: str, receivers: str = "1") -> None:
     """The receivers (the workers, or the whole server) are SIGKILLed mid-transfer."""
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
     server = ReferenceServer([str(g + 1) for g in range(int(receivers))], load_delay=1.0)
     url = server.start()
     try:
-        sender = WeightSender.connect(url, packed=mode == "packed",
-                                      packed_buffer_size_bytes=1 << 20)
-        sender.timeout = 30.0
+        sender = WeightSender.connect(url, config=SendConfig(
+            packed=mode == "packed", buffer_size_bytes=1 << 20, send_timeout_s=30.0))
         pairs = _test_tensors(0)
         kill = server.kill_workers if what == "workers" else server.kill_worker_group
         threading.Timer(2.5, kill).start()  # the receiver sleeps in its 3rd load
@@ -239,12 +269,11 @@ def killed(mode: str, what: str, receivers: str = "1") -> None:
 def stalled(mode: str) -> None:
     """The receiver stops taking part but its HTTP call stays open: only the
     per-wait deadline can end the send."""
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
     with ReferenceServer(["1"], load_delay=600.0) as url:
-        sender = WeightSender.connect(url, packed=mode == "packed",
-                                      packed_buffer_size_bytes=1 << 20)
-        sender.timeout = 5.0
+        sender = WeightSender.connect(url, config=SendConfig(
+            packed=mode == "packed", buffer_size_bytes=1 << 20, send_timeout_s=5.0))
         took, msg = _expect_send_error(sender, _test_tensors(0), 5 + 3)
         assert "within 5.0s" in msg, msg
         assert took >= 5.0, took
@@ -254,11 +283,11 @@ def stalled(mode: str) -> None:
 
 def load_fails(mode: str) -> None:
     """load_weights raises mid-stream: the send fails, reconnect(), the next push is exact."""
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
     with ReferenceServer(["1"], fail_load_after=3) as url:
-        sender = WeightSender.connect(url, packed=mode == "packed",
-                                      packed_buffer_size_bytes=1 << 20)
+        sender = WeightSender.connect(url, config=SendConfig(packed=mode == "packed",
+                                                             buffer_size_bytes=1 << 20))
         pairs = _test_tensors(1)
         took, msg = _expect_send_error(sender, pairs, 20)
         assert "injected load_weights failure" in msg, msg
@@ -279,12 +308,12 @@ def refused(mode: str) -> None:
     """The worker refuses ``/update_weights`` before any collective (HTTP 500)
     while the trainer broadcasts: the send fails on that answer, long before
     its deadline, instead of waiting in NCCL for a peer that never comes."""
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
     with ReferenceServer(["1"], refuse_updates=1) as url:
-        sender = WeightSender.connect(url, packed=mode == "packed",
-                                      packed_buffer_size_bytes=1 << 20)
-        sender.timeout = 120.0  # only the HTTP answer can end the send early
+        # Only the HTTP answer can end the send early.
+        sender = WeightSender.connect(url, config=SendConfig(
+            packed=mode == "packed", buffer_size_bytes=1 << 20, send_timeout_s=120.0))
         pairs = _test_tensors(2)
         took, msg = _expect_send_error(sender, pairs, 20)
         assert "injected refusal" in msg, msg
@@ -301,11 +330,11 @@ def interrupted(mode: str) -> None:
     """Ctrl-C (SIGINT) while the sender waits on a stalled receiver."""
     import signal
 
-    from jax_sender import WeightSender
-    from jax_sender.harness import ReferenceServer
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
     with ReferenceServer(["1"], load_delay=600.0) as url:
-        sender = WeightSender.connect(url, packed=mode == "packed",
-                                      packed_buffer_size_bytes=1 << 20)
+        sender = WeightSender.connect(url, config=SendConfig(packed=mode == "packed",
+                                                             buffer_size_bytes=1 << 20))
         pairs = _test_tensors(0)
         threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         t = time.monotonic()
@@ -328,10 +357,11 @@ def interrupted(mode: str) -> None:
 def load_plan(url: str) -> None:
     """use_load_plan: subsets go through bit-exact; anything else is refused by
     the sender before any HTTP call, and by the worker before any collective."""
-    from jax_sender import MetadataError, WeightSender
+    from jax_sender import MetadataError, SendConfig, WeightSender
     from uniqueid import UpdateInfo, VLLMHTTPError
     pairs = _test_tensors(2)
-    sender = WeightSender.connect(url, load_plan=pairs, packed_buffer_size_bytes=1 << 20)
+    sender = WeightSender.connect(url, load_plan=pairs,
+                                  config=SendConfig(buffer_size_bytes=1 << 20))
     assert sender.info.use_load_plan and len(sender.info.metadata) == len(pairs)
     subset = pairs[:4]
     sender.send(subset)
@@ -368,10 +398,10 @@ def sparse(url: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import MetadataError, WeightSender
+    from jax_sender import MetadataError, SendConfig, WeightSender
     from jax_sender.sparse import SPARSE_DTYPES
     from nccl_cffi.dtypes import dtype_name
-    sender = WeightSender.connect(url, packed=False)
+    sender = WeightSender.connect(url, config=SendConfig(packed=False))
     client = sender.clients[0]
     v0 = [(n, a) for n, a in _test_tensors(3) if dtype_name(a.dtype) in SPARSE_DTYPES]
     zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
@@ -412,9 +442,9 @@ def sparse(url: str) -> None:
 
 def servers(mode: str, *urls: str) -> None:
     """Several independent servers join one communicator; one broadcast feeds all."""
-    from jax_sender import WeightSender
-    sender = WeightSender.connect(list(urls), packed=mode == "packed",
-                                  packed_buffer_size_bytes=1 << 20)
+    from jax_sender import SendConfig, WeightSender
+    sender = WeightSender.connect(list(urls), config=SendConfig(packed=mode == "packed",
+                                                                buffer_size_bytes=1 << 20))
     offsets = [i.rank_offset for i in sender.connection.init_infos]
     assert offsets == list(range(1, len(urls) + 1)), offsets
     for v in range(2):
@@ -454,7 +484,7 @@ def group(process: str, nproc: str, port: str, url: str, layout: str, mode: str,
 
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=int(nproc),
                                process_id=int(process), initialization_timeout=120)
-    from jax_sender import WeightSender
+    from jax_sender import SendConfig, WeightSender
     devices = sorted(jax.devices(), key=lambda d: d.id)
 
     def place(name, value):
@@ -470,8 +500,8 @@ def group(process: str, nproc: str, port: str, url: str, layout: str, mode: str,
         params = {n: place(n, v) for n, v in values.items()}
         pairs = sorted(params.items())
         if sender is None:
-            sender = WeightSender.connect_group(url, pairs, device=0, packed=mode == "packed",
-                                                packed_buffer_size_bytes=1 << 20, timeout=120)
+            sender = WeightSender.connect_group(url, pairs, device=0, config=SendConfig(
+                packed=mode == "packed", buffer_size_bytes=1 << 20, init_timeout_s=120))
             expected = tuple(range(len(devices))) if layout == "stages" else (0,)
             assert sender.group.plan.group == expected, sender.group.plan
             assert sender.info.rank_offset == len(expected), sender.info
@@ -498,9 +528,9 @@ def many_sends(url: str, mode: str, count: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import WeightSender
-    sender = WeightSender.connect(url, packed=mode == "packed",
-                                  packed_buffer_size_bytes=16 << 20)
+    from jax_sender import SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(packed=mode == "packed",
+                                                         buffer_size_bytes=16 << 20))
     keys = jax.random.split(jax.random.PRNGKey(0), 24)
     base_pairs = [(f"layer{i}.w", jax.random.normal(k, (1024, 2048), jnp.bfloat16))
                   for i, k in enumerate(keys)]

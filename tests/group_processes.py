@@ -55,9 +55,16 @@ def main(scenario: str, process: int, port: str) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
                                initialization_timeout=60)
     from jax_sender import SendConfig, TensorMeta
-    from jax_sender.group import (TrainerGroup, broadcast_plan, gather, join_gathers,
-                                  owners_of, ready, share_from_process_0)
     from jax_sender.errors import GatherTimeout
+    from jax_sender.group import (
+        TrainerGroup,
+        broadcast_plan,
+        gather,
+        join_gathers,
+        owners_of,
+        ready,
+        share_from_process_0,
+    )
     from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mine = [d for d in devices if d.process_index == 1]

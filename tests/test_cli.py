@@ -115,6 +115,6 @@ def test_doctor_names_missing_rl_routes(server, capsys, monkeypatch):
 
 
 def test_doctor_on_an_unreachable_url(capsys, monkeypatch):
-    from jax_sender.harness import free_port
+    from jax_sender.testing.harness import free_port
     rc, out = _doctor(f"http://127.0.0.1:{free_port()}", capsys, monkeypatch)
     assert rc == 1 and "unreachable" in out and "check the URL" in out

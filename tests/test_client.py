@@ -2,17 +2,16 @@
 
 ``Recorder`` is a server that records every request and answers like vLLM
 (200 bodies, 400/500 with vLLM's error shape); the reference server
-(``jax_sender.server`` with no GPU workers) applies vLLM's validation rules.
+(``jax_sender.testing.server`` with no GPU workers) applies vLLM's validation rules.
 """
 
 import json
-import threading
 import time
 
 import pytest
 from recorder import Recorder
 
-from jax_sender.harness import ReferenceServer
+from jax_sender.testing.harness import ReferenceServer
 from uniqueid import InitInfo, UniqueId, UpdateInfo, VLLMClient, VLLMConnectionError, VLLMHTTPError
 
 

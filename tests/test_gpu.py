@@ -10,8 +10,15 @@ import sys
 
 import pytest
 
-from jax_sender.harness import (ReferenceServer, VLLMServer, child_env, free_port, gpu_env,
-                                run_all, vllm_available)
+from jax_sender.testing.harness import (
+    ReferenceServer,
+    VLLMServer,
+    child_env,
+    free_port,
+    gpu_env,
+    run_all,
+    vllm_available,
+)
 from uniqueid import UniqueId
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,6 +59,11 @@ def test_wheel_library_is_used_inside_jax():
 def test_send_to_reference_receiver(mode):
     with ReferenceServer(["1"]) as url:
         run("send", url, mode, "1", "3", timeout=300)
+
+
+def test_asynchronous_push_survives_a_donating_step():
+    with ReferenceServer(["1"]) as url:
+        print(run("async_donation", url, timeout=300))
 
 
 @pytest.mark.gpu4

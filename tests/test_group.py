@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jax_sender import MetadataError, TensorMeta
 from jax_sender.group import BroadcastPlan, broadcast_plan, turn_updates
-from jax_sender.harness import free_port, run_all
+from jax_sender.testing.harness import free_port, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

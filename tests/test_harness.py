@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jax_sender.harness import SHARE_GPUS, free_port, gpu_env, run_all
+from jax_sender.testing.harness import SHARE_GPUS, free_port, gpu_env, run_all
 
 
 def test_one_rank_per_gpu_by_default(monkeypatch):
@@ -86,7 +86,7 @@ def test_run_all_waits_for_the_marker_it_is_given():
 # -- the reference server's worker start (no GPU: the workers fail first) -----
 
 def test_a_worker_that_exits_fails_the_start_at_once():
-    from jax_sender.server import start_workers
+    from jax_sender.testing.server import start_workers
     t = time.monotonic()
     with pytest.raises(RuntimeError, match="worker 0 exited with status 2 before it was ready"):
         start_workers(["0"], ["--no-such-flag"], timeout=120)
@@ -98,7 +98,7 @@ def test_a_worker_that_never_connects_fails_the_start_at_its_deadline():
     connects nor exits: only the deadline can end the start."""
     import socket
 
-    from jax_sender.server import start_workers
+    from jax_sender.testing.server import start_workers
     with socket.socket() as mute:
         mute.bind(("127.0.0.1", 0))
         mute.listen()
@@ -112,7 +112,7 @@ def test_a_port_taken_on_ipv4_alone_counts_as_taken():
     """JAX's coordinator binds ``[::]:port``, which a 127.0.0.1 listener blocks."""
     import socket
 
-    from jax_sender.harness import _bind_and_release
+    from jax_sender.testing.harness import _bind_and_release
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 from memory_link import memory_sender
 
-from jax_sender import (LoadPlan, MetadataError, PendingSend, SendConfig, SendError,
-                        TensorMeta, describe)
+from jax_sender import (
+    LoadPlan,
+    MetadataError,
+    PendingSend,
+    SendConfig,
+    SendError,
+    TensorMeta,
+    describe,
+)
 from jax_sender.naming import Mapping
 
 SMALL = SendConfig(buffer_size_bytes=4096, num_buffers=2)

@@ -10,8 +10,9 @@ connect timeout, and read timeouts long enough for the call (an
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -57,7 +58,7 @@ def _error_message(resp: httpx.Response) -> tuple[str, Any]:
     return str(body), body
 
 
-def in_background(fn: Callable[..., T], *args: Any, name: str = "vllm-http") -> "Future[T]":
+def in_background(fn: Callable[..., T], *args: Any, name: str = "vllm-http") -> Future[T]:
     """Run ``fn`` in a daemon thread and return its future.
 
     Daemon, unlike an executor's worker: an HTTP call whose server is stuck in
@@ -100,7 +101,7 @@ class VLLMClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "VLLMClient":
+    def __enter__(self) -> VLLMClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -39,7 +39,7 @@ class UniqueId:
                 f"a unique id is {UNIQUE_ID_BYTES} bytes, got {len(self.raw)}")
 
     @classmethod
-    def mint(cls) -> "UniqueId":
+    def mint(cls) -> UniqueId:
         """A fresh id from ``ncclGetUniqueId``; this process must outlive every rank's init."""
         from nccl_cffi import get_unique_id
         return cls(get_unique_id())
@@ -49,7 +49,7 @@ class UniqueId:
         return base64.b64encode(self.raw).decode("ascii")
 
     @classmethod
-    def from_b64(cls, text: str) -> "UniqueId":
+    def from_b64(cls, text: str) -> UniqueId:
         """Decode with exactly vLLM's rules; the error names the rule broken."""
         if not isinstance(text, str):
             raise UniqueIdError(f"nccl_unique_id_b64 must be a string, got {type(text).__name__}")

@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from nccl_cffi import DEFAULT_INIT_TIMEOUT, Communicator, NcclTimeoutError
-from nccl_cffi import cuda
+from nccl_cffi import DEFAULT_INIT_TIMEOUT, Communicator, NcclTimeoutError, cuda
 
 from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, in_background
 from .codec import UniqueId

@@ -77,7 +77,7 @@ class InitInfo:
     master_port: int | None = None
 
     def __post_init__(self) -> None:
-        self.unique_id  # validates mode and id
+        _ = self.unique_id  # validates mode and id
         _need_int("rank_offset", self.rank_offset, 1)
         _need_int("world_size", self.world_size, 2)
         if self.world_size <= self.rank_offset:
@@ -115,7 +115,7 @@ class InitInfo:
         return out
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> "InitInfo":
+    def from_payload(cls, payload: dict[str, Any]) -> InitInfo:
         """Parse like vLLM's worker: unknown keys and bad ids are errors."""
         info = dict(payload) if isinstance(payload, dict) else payload
         if isinstance(info, dict):
@@ -156,7 +156,7 @@ class UpdateInfo:
         return out
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> "UpdateInfo":
+    def from_payload(cls, payload: dict[str, Any]) -> UpdateInfo:
         return _construct(cls, payload, "update_info")
 
 
@@ -187,5 +187,5 @@ class SparseUpdateInfo:
                 "num_updates_list": [int(k) for k in self.num_updates_list]}
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> "SparseUpdateInfo":
+    def from_payload(cls, payload: dict[str, Any]) -> SparseUpdateInfo:
         return _construct(cls, payload, "update_info")

@@ -6,10 +6,11 @@ per GPU) and answers once all have; a worker's exception becomes HTTP 500
 ``{"error": {"message": "Call to collective_rpc method failed: ...", ...}}``
 and a malformed body HTTP 400. The session rules are vLLM's: update needs a
 started session, a failed update drops it, shutdown is refused mid-session.
-``--gpus`` lists the physical GPUs, one worker each; ``--gpus ''`` runs no
-worker and only validates requests (for CPU tests).
+``--gpus`` lists the physical GPUs, one worker each, and the server says
+READY only once every worker holds its GPU; ``--no-workers`` runs none and
+only validates requests (for CPU tests).
 
-    python -m jax_sender.server --gpus 1,2 --port 8011
+    python -m jax_sender.testing.server --gpus 1,2 --port 8011
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from urllib.parse import parse_qs, urlparse
 
 from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
+from ..plan import LoadPlan
 from .harness import gpu_env
-from .plan import LoadPlan
 
 RPC_TIMEOUT = 3600.0
 START_TIMEOUT = 300.0
@@ -100,7 +101,7 @@ def start_workers(gpus: list[str], fault_args: list[str],
     for rank, gpu in enumerate(gpus):
         env = dict(gpu_env(gpu), JVN_AUTHKEY=authkey.hex())
         w.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jax_sender.worker", "--port", str(listener.address[1]),
+            [sys.executable, "-m", "jax_sender.testing.worker", "--port", str(listener.address[1]),
              "--worker-rank", str(rank), *fault_args], env=env))
     failure: list[str] = []
     ready = threading.Event()
@@ -124,7 +125,11 @@ def start_workers(gpus: list[str], fault_args: list[str],
             while not failure and not conn.poll(0.2):
                 pass
             if not failure:
-                conn.recv()  # EOFError if the worker died after connecting
+                try:
+                    conn.recv()
+                except EOFError:  # it connected, then died
+                    failure.append(f"worker {len(w.conns)} exited before it was ready")
+                    break
                 w.conns.append(conn)
         if failure:
             raise RuntimeError(f"{failure[0]}; the worker's output above says why")
@@ -253,6 +258,10 @@ def route(state: State, method: str, path: str, query: dict[str, list[str]],
 def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # One segment per answer, sent at once: headers and body written
+        # separately meet the client's delayed ACK and cost ~40 ms a call.
+        disable_nagle_algorithm = True
+        wbufsize = -1
 
         def _serve(self, method: str) -> None:
             url = urlparse(self.path)
@@ -281,9 +290,21 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def _gpu_list(text: str) -> list[str]:
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus):
+        raise argparse.ArgumentTypeError(
+            f"--gpus takes CUDA device numbers separated by commas, e.g. 1 or 1,2; got {text!r}")
+    return gpus
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpus", default="", help="comma-separated physical GPU ids, one worker each")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gpus", type=_gpu_list,
+                       help="comma-separated physical GPU ids, one worker each")
+    where.add_argument("--no-workers", action="store_true",
+                       help="no worker at all: only validate requests (CPU tests)")
     ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
     ap.add_argument("--backend", choices=("nccl", "sparse_nccl"), default="nccl",
                     help="like vLLM's --weight-transfer-config backend, fixed at launch")
@@ -291,10 +312,12 @@ def main() -> None:
     ap.add_argument("--load-delay", default="0", help="fault injection, see worker.py")
     ap.add_argument("--refuse-updates", default="0", help="fault injection, see worker.py")
     args = ap.parse_args()
-    gpus = [g for g in args.gpus.split(",") if g]
-    workers = start_workers(gpus, ["--fail-load-after", args.fail_load_after,
+    try:
+        workers = start_workers(args.gpus or [], ["--fail-load-after", args.fail_load_after,
                                    "--load-delay", args.load_delay,
-                                   "--refuse-updates", args.refuse_updates])
+                                       "--refuse-updates", args.refuse_updates])
+    except RuntimeError as e:
+        sys.exit(f"reference server not started: {e}")
     server = ThreadingHTTPServer(("127.0.0.1", args.port),
                                  make_handler(State(workers, args.backend)))
     server.daemon_threads = True

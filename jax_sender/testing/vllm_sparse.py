@@ -1,5 +1,5 @@
 """vLLM 0.33.0's real ``sparse_nccl`` receiver behind its real routes, for
-tests and benchmarks: ``python -m jax_sender.vllm_sparse TREE --port P --log F``.
+tests and benchmarks: ``python -m jax_sender.testing.vllm_sparse TREE --port P --log F``.
 
 It is ``TREE/server.py --nccl`` (see the README) with the worker engine
 swapped for ``SparseNCCLWeightTransferEngine`` (so the broadcasts, the patch
@@ -40,8 +40,7 @@ def main() -> None:
     sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[name])
     from vllm.distributed.weight_transfer import nccl_engine
-    from vllm.distributed.weight_transfer.sparse_nccl_engine import (
-        SparseNCCLWeightTransferEngine)
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferEngine
 
     # build_app subclasses whatever this name holds when it runs.
     nccl_engine.NCCLWeightTransferEngine = SparseNCCLWeightTransferEngine

@@ -21,7 +21,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-VLLM_TREE = pathlib.Path(__file__).resolve().parent.parent / ".vllm"
+# The folder that holds the ``jax_sender`` package: children run from it, so
+# ``python -m jax_sender...`` finds it in a source checkout as in an install.
+_HOME = pathlib.Path(__file__).resolve().parents[2]
+# vLLM 0.33.0's receiving code, when a test or the bench has it (see docs/testing.md).
+VLLM_TREE = pathlib.Path(os.environ.get("JAX_SENDER_VLLM_TREE") or pathlib.Path.cwd() / ".vllm")
 SHARE_GPUS = "JAX_SENDER_SHARE_GPUS"
 
 
@@ -38,7 +42,7 @@ def gpu_count() -> int:
     code = "from nccl_cffi.cuda import device_count; print(device_count())"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=120, cwd=pathlib.Path(__file__).resolve().parent.parent)
+                             timeout=120, cwd=_HOME)
         return int(out.stdout.strip() or 0)
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return 0
@@ -47,17 +51,21 @@ def gpu_count() -> int:
 def gpu_env(gpu: str | int) -> dict[str, str]:
     """``child_env()`` for a child process on GPU ``gpu``.
 
-    With ``JAX_SENDER_SHARE_GPUS=n``, GPU ``g`` runs on physical GPU ``g % n``
-    and counts as a host of its own to NCCL (its own ``NCCL_HOSTID``, socket
-    transport on loopback), and JAX allocates on demand instead of taking 75%
-    of the GPU up front. NCCL refuses two ranks on one device of one host;
-    this is how the 4-rank tests run on 2 GPUs. Correct, not fast: never use
-    it for timings.
+    With ``JAX_SENDER_SHARE_GPUS=n``, GPU ``g`` runs on the ``g % n``-th GPU
+    this process sees (``CUDA_VISIBLE_DEVICES``, when set) and counts as a host
+    of its own to NCCL (its own ``NCCL_HOSTID``, socket transport on
+    loopback), and JAX allocates on demand instead of taking 75% of the GPU
+    up front. NCCL refuses two ranks on one device of one host; this is how
+    the 4-rank tests run on 2 GPUs and the demo on one. Correct, not fast:
+    never use it for timings.
     """
     env = dict(child_env(), CUDA_VISIBLE_DEVICES=str(gpu))
     share = int(os.environ.get(SHARE_GPUS) or 0)
     if share:
-        env.update(CUDA_VISIBLE_DEVICES=str(int(gpu) % share), NCCL_NET="Socket",
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        slot = int(gpu) % share
+        env.update(CUDA_VISIBLE_DEVICES=visible[slot] if slot < len(visible) else str(slot),
+                   NCCL_NET="Socket",
                    NCCL_HOSTID=f"{socket.gethostname()}-gpu{gpu}", NCCL_SOCKET_IFNAME="lo",
                    XLA_PYTHON_CLIENT_PREALLOCATE="false")
     return env
@@ -163,8 +171,9 @@ class ReferenceServer:
         self.url = ""
 
     def start(self) -> str:
+        gpus = ["--gpus", ",".join(self.gpus)] if self.gpus else ["--no-workers"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jax_sender.server", "--gpus", ",".join(self.gpus),
+            [sys.executable, "-m", "jax_sender.testing.server", *gpus,
              "--backend", self.backend, *self.fault_args],
             stdout=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
@@ -243,12 +252,12 @@ class VLLMServer:
         import httpx
         port = free_port()
         env = gpu_env(self.gpu)
-        cmd = ([sys.executable, "-m", "jax_sender.vllm_sparse", str(self.tree)] if self.sparse
+        cmd = ([sys.executable, "-m", "jax_sender.testing.vllm_sparse", str(self.tree)] if self.sparse
                else [sys.executable, str(self.tree / "server.py"), "--nccl"])
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(
                 cmd + ["--port", str(port), "--log", str(self.requests)], env=env,
-                cwd=pathlib.Path(__file__).resolve().parent.parent,
+                cwd=_HOME,
                 start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout

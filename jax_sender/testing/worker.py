@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -61,9 +62,17 @@ def main() -> None:
     args = ap.parse_args()
     conn = Client(("127.0.0.1", args.port), authkey=bytes.fromhex(os.environ["JVN_AUTHKEY"]))
 
+    import jax
+
     from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo
 
     from .receiver import ReferenceWorker
+    try:
+        jax.local_devices(backend="gpu")
+    except RuntimeError as e:  # no CUDA backend, or no device behind it
+        sys.exit(f"reference worker {args.worker_rank}: JAX sees no GPU on CUDA_VISIBLE_DEVICES="
+                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r} ({str(e).splitlines()[0]}); "
+                 "give --gpus devices this machine has")
 
     worker = ReferenceWorker(0, worker_rank=args.worker_rank)
     if args.fail_load_after >= 0 or args.load_delay:

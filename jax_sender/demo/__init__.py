@@ -1,0 +1,1 @@
+"""The demo (``python -m jax_sender.demo``) and its Flax decoder (``model``)."""

@@ -1,1 +1,0 @@
-"""Small Flax models with the parameter layout that ``naming.LLAMA`` maps."""
