@@ -111,8 +111,7 @@ def role_raw(rank: str, world: str, uid: str, reps: str) -> None:
     from nccl_cffi import Communicator, cuda
     from uniqueid import UniqueId, warm_up
     comm = Communicator.init_rank(int(world), UniqueId.from_b64(uid).raw, int(rank), 0,
-                                  timeout=120)
-    warm_up(comm, 60)
+                                  blocking=True, timeout=120, then=warm_up)
     buf = jnp.zeros((GiB,), jnp.uint8).block_until_ready()
     stream = cuda.Stream(0)
     times = []
