@@ -1,4 +1,4 @@
-"""The subset of ``nccl.h`` this binding declares.
+"""The subset of ``nccl.h`` (and four calls of ``cuda.h``) this binding declares.
 
 Declared by hand rather than parsed from a header so that installing needs no
 CUDA toolkit. Only types whose layout NCCL has kept stable since 2.14 appear
@@ -60,6 +60,12 @@ ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype,
                       int peer, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
+
+/* libcuda (the driver API), for the calls a push makes per tensor or chunk */
+int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void *s);
+int cuEventRecord(void *event, void *stream);
+int cuEventQuery(void *event);
+int cuStreamWaitEvent(void *stream, void *event, unsigned int flags);
 
 typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
 typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;

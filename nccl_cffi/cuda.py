@@ -13,8 +13,7 @@ import weakref
 from collections.abc import Callable
 from functools import cache
 
-from cffi import FFI
-
+from ._ffi import ffi
 from .errors import CudaError
 
 
@@ -83,23 +82,16 @@ def use_device(ordinal: int) -> None:
     _check(_driver().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
 
 
-# The calls a push makes per tensor or per chunk, straight into libcuda: the
-# cuda-python wrappers cost a few microseconds each, which adds up over a
-# push of many small tensors. Handles and pointers are plain integers here.
-_RAW_CDEF = """
-int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t n, void *s);
-int cuEventRecord(void *event, void *stream);
-int cuEventQuery(void *event);
-int cuStreamWaitEvent(void *stream, void *event, unsigned int flags);
-"""
+# The calls a push makes per tensor or per chunk, straight into libcuda
+# (declared in ``_cdef.py``): the cuda-python wrappers cost a few
+# microseconds each, which adds up over a push of many small tensors.
+# Handles and pointers are plain integers here.
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 @cache
 def _raw():
     _driver()  # the sentence for a missing driver, and cuInit
-    ffi = FFI()
-    ffi.cdef(_RAW_CDEF)
     return ffi, ffi.dlopen("libcuda.so.1")
 
 
