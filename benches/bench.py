@@ -221,6 +221,8 @@ def role_jax(url: str, jobs: str) -> None:
         _emit(dict(job, transfer=[x.transfer_s for x in stats],
                    broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
                    prepare=[x.prepare_s for x in stats], host=[x.host_s for x in stats],
+                   start=[x.start_s for x in stats], finish=[x.finish_s for x in stats],
+                   link=[x.link_s for x in stats], link_bytes=s.link_bytes,
                    wall=wall, bytes=s.bytes, tensors=s.tensors,
                    chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
                    held=dev.memory_stats()["bytes_in_use"] - base,
@@ -335,12 +337,16 @@ def role_torch(url: str, jobs: str) -> None:
         def __init__(self):
             self.http = VLLMClient(url)
             self.spans: list[float] = []
+            self.starts: list[float] = []
+            self.finishes: list[float] = []
 
         def init_weight_transfer_engine(self, init_info):
             self.http.init_weight_transfer_engine(init_info)
 
         def start_weight_update(self):
+            t = time.perf_counter()
             self.http.start_weight_update()
+            self.starts.append(time.perf_counter() - t)
 
         def update_weights(self, update_info):
             t = time.perf_counter()
@@ -348,7 +354,9 @@ def role_torch(url: str, jobs: str) -> None:
             self.spans.append(time.perf_counter() - t)
 
         def finish_weight_update(self, weight_version=None):
+            t = time.perf_counter()
             self.http.finish_weight_update(weight_version)
+            self.finishes.append(time.perf_counter() - t)
 
     pairs, current = None, None
     for job in json.loads(jobs):
@@ -374,6 +382,7 @@ def role_torch(url: str, jobs: str) -> None:
         engine.shutdown()
         client.http.shutdown_weight_transfer_engine()
         _emit(dict(job, transfer=client.spans[1:], total=totals[1:], wall=totals[1:],
+                   start=client.starts[1:], finish=client.finishes[1:],
                    bytes=sum(t.numel() * t.element_size() for _, t in pairs),
                    tensors=len(pairs)))
 
@@ -477,13 +486,24 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
             data["sparse"] = _one("role_sparse", url, json.dumps(SPARSE_FRACTIONS), str(reps))
         save()
     if only in (None, "slow"):
-        _slow(data, reps, vllm, save)
+        _stage(data, "slow", lambda: _slow(data, reps, vllm, save))
     if only in (None, "train"):
-        with _server("1", vllm) as url:
-            data["train"] = _one("role_train", url, "20")
+        def train() -> None:
+            with _server("1", vllm) as url:
+                data["train"] = _one("role_train", url, "20")
+        _stage(data, "train", train)
         save()
     save()
     return data
+
+
+def _stage(data: dict, name: str, run_stage) -> None:
+    """Run a stage; its failure is recorded and the others still run."""
+    try:
+        run_stage()
+    except (RuntimeError, subprocess.TimeoutExpired, KeyError) as e:
+        data[f"{name}_error"] = str(e)[-3000:]
+        print(f"stage {name} failed: {str(e)[-2000:]}", file=sys.stderr)
 
 
 def _slow(data: dict, reps: int, vllm: bool, save) -> None:
@@ -581,6 +601,15 @@ def _ms(times: list[float]) -> str:
     return f"{statistics.median(times) * 1e3:.2f}"
 
 
+def _link_gbps(j: dict) -> float:
+    """The link's own rate: GPU-timed from the end of the first broadcast to the
+    end of the last (the first also waits for the receiver's HTTP call); runs
+    that predate it have the host-clock span of all broadcasts."""
+    if j.get("link_bytes") and min(j.get("link", [0])) > 0:
+        return j["link_bytes"] / statistics.median(j["link"]) / 1e9
+    return j["bytes"] / statistics.median(j["broadcast"]) / 1e9
+
+
 def _fixed_report(data: dict) -> list[str]:
     ours = next((j for j in data["ours"] if j["workload"] == "tiny"), None)
     theirs = next((j for j in data.get("torch", []) if j["workload"] == "tiny"), None)
@@ -595,6 +624,12 @@ def _fixed_report(data: dict) -> list[str]:
     if theirs:
         lines.append(f"| vLLM's torch engine, `send_weights()` | {_ms(theirs['wall'])} | "
                      f"{min(theirs['wall']) * 1e3:.2f} | 1.00 |")
+    if theirs and "start" in ours and "start" in theirs:
+        lines += ["", "Its parts, median ms (start and finish are HTTP calls; update: posting "
+                  "`/update_weights` to its answer):", "",
+                  "| sender | start | update | finish |", "| --- | --- | --- | --- |"]
+        lines += [f"| {who} | {_ms(j['start'])} | {_ms(j['transfer'])} | {_ms(j['finish'])} |"
+                  for who, j in (("ours", ours), ("torch", theirs))]
     return lines
 
 
@@ -697,10 +732,9 @@ def _dense_report(data: dict, raw: float) -> list[str]:
         if (j["workload"] == "qwen3-8b" and not default) or j["workload"] == "tiny":
             continue  # in the sweep table, or the fixed-cost one
         label = f"{j['mode']} send {j['workload']} -> {target}"
-        bcast = statistics.median(j["broadcast"])
         note = (f"{j['tensors']} tensors, {j['chunks']} "
                 f"{'chunks' if j['mode'] == 'packed' else 'broadcasts'}; "
-                f"broadcasts alone {j['bytes'] / bcast / 1e9:.1f} GB/s")
+                f"broadcasts alone {_link_gbps(j):.1f} GB/s ({_link_gbps(j) / raw:.3f} x raw)")
         if j["workload"] == "many-small":
             per = lambda k, j=j: statistics.median(j[k]) / j["tensors"] * 1e6  # noqa: E731
             note += (f"; per tensor: {per('transfer'):.1f} us in all, of which the sender's "

@@ -96,10 +96,18 @@ class Broadcaster:
         self._slot_used: list[bool] = []
         self.started = 0.0  # perf_counter() at this pass's first broadcast launch
         self.host_s = 0.0  # this pass's host time getting and packing tensors
+        # The link's own time (GPU clock), from the end of the first broadcast of
+        # a pass to the end of its last, and the bytes sent in it: the first
+        # broadcast also waits for the receivers to join (their HTTP call).
+        self._marks = (cuda.Event(self.ordinal, timing=True),
+                       cuda.Event(self.ordinal, timing=True))
+        self._launched: list[int] = []
+        self.link_s = 0.0
+        self.link_bytes = 0
 
     def close(self) -> None:
         """Destroy every event and stream and give the slots back to XLA."""
-        for e in [f.event for f in self._inflight] + self._pool + self._slot_free:
+        for e in [f.event for f in self._inflight] + self._pool + self._slot_free + list(self._marks):
             e.close()
         self._inflight.clear()
         self._pool.clear()
@@ -124,18 +132,27 @@ class Broadcaster:
             self._retire_oldest(timeout, check)
 
     def drain(self, timeout: float | None, check: Check) -> None:
+        if len(self._launched) > 1:
+            self._marks[1].record(self.nccl_stream)
         while self._inflight:
             self._retire_oldest(timeout, check)
+        if len(self._launched) > 1:
+            self.link_s = self._marks[0].elapsed_s(self._marks[1])
+            self.link_bytes = sum(self._launched[1:])
 
     def _begin(self) -> None:
         cuda.use_device(self.ordinal)  # NCCL and the copies run on this thread's device
-        self.started, self.host_s = 0.0, 0.0
+        self.started, self.host_s, self.link_s, self.link_bytes = 0.0, 0.0, 0.0, 0
+        self._launched = []
 
-    def _launch(self, ptr: int, count: int, nccl_dtype: int, root: int, keep: list[Any],
-                timeout: float | None, check: Check) -> None:
+    def _launch(self, ptr: int, count: int, nccl_dtype: int, root: int, nbytes: int,
+                keep: list[Any], timeout: float | None, check: Check) -> None:
         self.started = self.started or time.perf_counter()
         self.comm.launch_broadcast(ptr, count, nccl_dtype, root, self.nccl_stream.handle,
                                    timeout)
+        self._launched.append(nbytes)
+        if len(self._launched) == 1:
+            self._marks[0].record(self.nccl_stream)
         self._inflight.append(_InFlight(self._record(self.nccl_stream), keep))
         check()
 
@@ -162,7 +179,8 @@ class Broadcaster:
             if c.single:
                 arr = get(c.start)
                 self.host_s += time.perf_counter() - t
-                self._launch(buffer_pointer(arr), c.nbytes, UINT8, root, [arr], timeout, check)
+                self._launch(buffer_pointer(arr), c.nbytes, UINT8, root, c.nbytes, [arr],
+                             timeout, check)
                 continue
             s, k = k % nslots, k + 1
             base = self.arena.ptr + s * slot
@@ -178,7 +196,7 @@ class Broadcaster:
             self.host_s += time.perf_counter() - t
             copied = self._record(self.copy_stream)
             self.nccl_stream.wait_event(copied)
-            self._launch(base, c.nbytes, UINT8, root, [] if temporaries else sources,
+            self._launch(base, c.nbytes, UINT8, root, c.nbytes, [] if temporaries else sources,
                          timeout, check)
             self._slot_free[s].record(self.nccl_stream)
             self._slot_used[s] = True
@@ -198,8 +216,8 @@ class Broadcaster:
             t = time.perf_counter()
             arr = get(i)
             self.host_s += time.perf_counter() - t
-            self._launch(buffer_pointer(arr), m.numel, NCCL_TYPES[m.dtype][0], root, [arr],
-                         timeout, check)
+            self._launch(buffer_pointer(arr), m.numel, NCCL_TYPES[m.dtype][0], root, m.nbytes,
+                         [arr], timeout, check)
         self.drain(timeout, check)
 
     def discard(self, metas: Sequence[TensorMeta], chunks: Sequence[Chunk] | None, root: int,
@@ -211,7 +229,7 @@ class Broadcaster:
         parts = ([(c.nbytes, UINT8, c.nbytes) for c in chunks] if chunks is not None
                  else [(m.numel, NCCL_TYPES[m.dtype][0], m.nbytes) for m in metas])
         self.arena.ensure(max((nbytes for _, _, nbytes in parts), default=0))
-        for count, code, _ in parts:
+        for count, code, nbytes in parts:
             self._window(self.num_buffers, timeout, check)
-            self._launch(self.arena.ptr, count, code, root, [], timeout, check)
+            self._launch(self.arena.ptr, count, code, root, nbytes, [], timeout, check)
         self.drain(timeout, check)

@@ -58,6 +58,8 @@ class SendStats:
     finish_s: float = 0.0
     broadcast_s: float = 0.0  # first broadcast launched -> last one done (host clock)
     host_s: float = 0.0  # host time getting and packing tensors, inside transfer_s
+    link_s: float = 0.0  # GPU time from the end of each round's first broadcast to its last
+    link_bytes: int = 0  # the bytes sent in link_s
     returned_s: float = 0.0  # send() called -> it returned (all of it when blocking)
 
     @property
@@ -81,6 +83,8 @@ class Timed(Protocol):
 
     started: float
     host_s: float
+    link_s: float
+    link_bytes: int
 
 
 def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed, *,
@@ -96,10 +100,11 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
         control.start()
         t2 = time.perf_counter()
         for payload, broadcast in rounds:
-            b, h = _round(payload, broadcast, control, broadcaster, timeout_s,
-                          http_timeout_s, cancelled)
-            stats.broadcast_s += b
-            stats.host_s += h
+            stats.broadcast_s += _round(payload, broadcast, control, broadcaster, timeout_s,
+                                        http_timeout_s, cancelled)
+            stats.host_s += broadcaster.host_s
+            stats.link_s += broadcaster.link_s
+            stats.link_bytes += broadcaster.link_bytes
         t3 = time.perf_counter()
         control.finish(weight_version)
         t4 = time.perf_counter()
@@ -117,9 +122,9 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
 
 def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control: ControlPlane,
            broadcaster: Timed, timeout_s: float, http_timeout_s: float,
-           cancelled: Check) -> tuple[float, float]:
+           cancelled: Check) -> float:
     """Broadcast while the workers receive in ``/update_weights``; returns the
-    broadcasts' own span and the host's packing time."""
+    broadcasts' span (first launch to last done, host clock)."""
     futures = control.update(payload, http_timeout_s)
 
     def check() -> None:
@@ -144,7 +149,7 @@ def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control:
                         f"{client.base_url}/update_weights did not answer within {timeout_s}s "
                         "of the last broadcast: a worker is stuck (in load_weights, or in "
                         "NCCL waiting for data that was never sent)") from None
-    return span, broadcaster.host_s
+    return span
 
 
 class PendingSend:

@@ -66,6 +66,7 @@ int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t 
 int cuEventRecord(void *event, void *stream);
 int cuEventQuery(void *event);
 int cuStreamWaitEvent(void *stream, void *event, unsigned int flags);
+int cuEventElapsedTime(float *ms, void *start, void *end);
 
 typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
 typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;

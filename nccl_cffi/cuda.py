@@ -129,15 +129,17 @@ def _destroy_stream(device: int, stream) -> None:
 
 
 class Event:
-    """A timing-free CUDA event, recorded on a stream and polled.
+    """A CUDA event, recorded on a stream and polled; timing-free unless
+    ``timing`` (then ``elapsed_s`` reads the GPU's time between two).
 
     Destroyed by ``close()``, or when collected."""
 
-    def __init__(self, device: int):
+    def __init__(self, device: int, *, timing: bool = False):
         d = _driver()
         use_device(device)
-        self._event = _check(d.cuEventCreate(d.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                             "cuEventCreate")
+        flags = d.CUevent_flags.CU_EVENT_DEFAULT if timing else \
+            d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._event = _check(d.cuEventCreate(flags), "cuEventCreate")
         self._ptr = _raw()[0].cast("void *", int(self._event))
         self._finalizer = weakref.finalize(self, _driver().cuEventDestroy, self._event)
 
@@ -153,6 +155,13 @@ class Event:
             return False
         _raw_check(code, "cuEventQuery")
         return True
+
+    def elapsed_s(self, later: Event) -> float:
+        """Seconds of GPU time from this event to ``later`` (both done, both timing)."""
+        out = ffi.new("float *")
+        _raw_check(_raw()[1].cuEventElapsedTime(out, self._ptr, later._ptr),
+                   "cuEventElapsedTime")
+        return out[0] / 1e3
 
     def close(self) -> None:
         self._finalizer()

@@ -52,6 +52,8 @@ class MemoryBroadcaster:
         self.delay_s = delay_s
         self.started = 0.0
         self.host_s = 0.0
+        self.link_s = 0.0
+        self.link_bytes = 0
         self.closed = False
         self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time)
 
