@@ -1,5 +1,6 @@
 """The reference receiver's HTTP front: vLLM's weight-transfer routes, same
-paths, bodies, status codes and error shapes, over N worker processes.
+paths, bodies, status codes and error shapes, over N worker processes, on
+FastAPI and uvicorn like vLLM's own server.
 
 Like vLLM, one API process fans each call out to every worker (one process
 per GPU) and answers once all have; a worker's exception becomes HTTP 500
@@ -13,21 +14,29 @@ only validates requests (for CPU tests).
     python -m jax_sender.testing.server --gpus 1,2 --port 8011
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+
+try:  # the test extra's; main() says so when they are missing
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+except ImportError as _missing:
+    uvicorn = FastAPI = Request = JSONResponse = run_in_threadpool = None
+    _MISSING = _missing.name
+else:
+    _MISSING = ""
 
 from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
@@ -162,27 +171,44 @@ def _body(raw: bytes, key: str, required: bool = True) -> Any:
     return data.get(key)
 
 
-def route(state: State, method: str, path: str, query: dict[str, list[str]],
-          raw: bytes) -> dict[str, Any]:
-    """One request -> vLLM's JSON answer, or ``HTTPError``."""
+def build_app(state: "State") -> Any:
+    """vLLM's weight-transfer routes over ``state``'s workers, one function per
+    route, on FastAPI like vLLM's own server. A worker call blocks until
+    every worker answered, so it runs in the thread pool."""
+    app = FastAPI()
     w = state.workers
-    if (method, path) == ("GET", "/get_world_size"):
+
+    @app.exception_handler(HTTPError)
+    async def error(_: Request, e: HTTPError) -> JSONResponse:
+        return JSONResponse(_error_body(e.status, str(e)), status_code=e.status)
+
+    @app.get("/get_world_size")
+    async def get_world_size() -> dict[str, Any]:
         return {"world_size": len(w.conns)}
-    if (method, path) == ("GET", "/weight_info"):
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Any]:
         return {"weight_version": state.version}
-    if (method, path) == ("GET", "/is_paused"):
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, Any]:
         return {"is_paused": state.paused}
-    if (method, path) == ("POST", "/pause"):
-        mode = query.get("mode", ["abort"])[0]
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort") -> dict[str, Any]:
         if mode not in ("abort", "wait", "keep"):
             raise HTTPError(400, f"Input should be 'abort', 'wait' or 'keep', got {mode!r}")
         state.paused = True
         return {"status": "paused"}
-    if (method, path) == ("POST", "/resume"):
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
         state.paused = False
         return {"status": "resumed"}
-    if (method, path) == ("POST", "/init_weight_transfer_engine"):
-        info = _body(raw, "init_info")
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
+        info = _body(await request.body(), "init_info")
         if not isinstance(info, dict):
             raise HTTPError(400, "init_info must be an object")
         try:  # vLLM's parse raises inside the worker RPC -> 500
@@ -191,43 +217,48 @@ def route(state: State, method: str, path: str, query: dict[str, list[str]],
                 LoadPlan.from_payload(parsed.metadata)
         except (ValueError, TypeError) as e:
             raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
-        w.call("init", info)
+        await run_in_threadpool(w.call, "init", info)
         return {"message": "Weight transfer initialized"}
-    if (method, path) == ("POST", "/shutdown_weight_transfer_engine"):
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine() -> dict[str, Any]:
         if state.active:
             raise HTTPError(500, "Call to collective_rpc method failed: "
                                  "cannot shut down during an active weight update")
-        w.call("shutdown")
+        await run_in_threadpool(w.call, "shutdown")
         return {"message": "Weight transfer shut down"}
-    if (method, path) == ("POST", "/start_weight_update"):
+
+    @app.post("/start_weight_update")
+    async def start_weight_update() -> dict[str, Any]:
         if state.active:
             raise HTTPError(500, "Call to collective_rpc method failed: "
                                  "start_weight_update called while an update is active")
         state.active = True
         return {"message": "Weight update started"}
-    if (method, path) == ("POST", "/update_weights"):
-        info = _body(raw, "update_info")
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> dict[str, Any]:
+        info = _body(await request.body(), "update_info")
         if isinstance(info, list):
             info = info[0] if info else {}
         if not state.active:
             raise HTTPError(500, "Call to collective_rpc method failed: "
                                  "start_weight_update must be called before update_weights.")
+        sparse = state.backend == "sparse_nccl"
         try:
-            if state.backend == "sparse_nccl":
-                SparseUpdateInfo.from_payload(info)
-                w.call("receive_sparse", info)
-            else:
-                UpdateInfo.from_payload(info)
-                w.call("receive", info)
+            (SparseUpdateInfo if sparse else UpdateInfo).from_payload(info)
+            await run_in_threadpool(w.call, "receive_sparse" if sparse else "receive", info)
         except (ValueError, TypeError) as e:
-            state.active = False
+            state.active = False  # vLLM drops the session without finishing it
             raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
         except HTTPError:
-            state.active = False  # vLLM drops the session without finishing it
+            state.active = False
             raise
         return {"message": "Weights updated"}
-    if (method, path) == ("POST", "/finish_weight_update"):
-        version = _body(raw, "weight_version", required=False)
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> dict[str, Any]:
+        version = _body(await request.body(), "weight_version", required=False)
         if not state.active:
             raise HTTPError(500, "Call to collective_rpc method failed: finish_weight_update "
                                  "called without a matching start_weight_update")
@@ -235,59 +266,27 @@ def route(state: State, method: str, path: str, query: dict[str, list[str]],
         if version is not None:
             state.version = version
         return {"message": "Weight update finished"}
-    if (method, path) == ("POST", "/weight_checker"):
-        action = _body(raw, "action")
-        baseline = _body(raw, "baseline", required=False)
+
+    @app.post("/weight_checker")
+    async def weight_checker(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        action, baseline = _body(raw, "action"), _body(raw, "baseline", required=False)
         if action not in ("checksum", "reset", "compare"):
             raise HTTPError(400, "action must be 'checksum', 'reset' or 'compare'")
         if action == "reset":
-            w.call("reset")
+            await run_in_threadpool(w.call, "reset")
             return {"status": "reset"}
         if action == "compare" and baseline is None:
             raise HTTPError(400, "action='compare' requires a 'baseline' object")
         sums: dict[str, str] = {}
-        for part in w.call("checksums"):
+        for part in await run_in_threadpool(w.call, "checksums"):
             sums.update(part)
         if action == "checksum":
             return {"checksums": sums}
         bad = sorted(k for k in sums.keys() | baseline.keys() if sums.get(k) != baseline.get(k))
         return {"match": not bad, "mismatches": bad}
-    raise HTTPError(404, "Not Found")
 
-
-def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # One segment per answer, sent at once: headers and body written
-        # separately meet the client's delayed ACK and cost ~40 ms a call.
-        disable_nagle_algorithm = True
-        wbufsize = -1
-
-        def _serve(self, method: str) -> None:
-            url = urlparse(self.path)
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            try:
-                status, body = 200, route(state, method, url.path, parse_qs(url.query), raw)
-            except HTTPError as e:
-                status = e.status
-                body = {"detail": "Not Found"} if status == 404 else _error_body(status, str(e))
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._serve("GET")
-
-        def do_POST(self) -> None:
-            self._serve("POST")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    return Handler
+    return app
 
 
 def _gpu_list(text: str) -> list[str]:
@@ -312,18 +311,22 @@ def main() -> None:
     ap.add_argument("--load-delay", default="0", help="fault injection, see worker.py")
     ap.add_argument("--refuse-updates", default="0", help="fault injection, see worker.py")
     args = ap.parse_args()
+    if _MISSING:
+        sys.exit(f"reference server not started: {_MISSING} is missing; "
+                 "pip install 'jax-vllm-nccl[test]'")
     try:
         workers = start_workers(args.gpus or [], ["--fail-load-after", args.fail_load_after,
                                    "--load-delay", args.load_delay,
                                        "--refuse-updates", args.refuse_updates])
     except RuntimeError as e:
         sys.exit(f"reference server not started: {e}")
-    server = ThreadingHTTPServer(("127.0.0.1", args.port),
-                                 make_handler(State(workers, args.backend)))
-    server.daemon_threads = True
-    print(f"READY http://127.0.0.1:{server.server_address[1]}", flush=True)
+    app = build_app(State(workers, args.backend))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", args.port))
+    sock.listen(128)
+    print(f"READY http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     try:
-        server.serve_forever()
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         workers.stop()
 
