@@ -136,7 +136,8 @@ class Broadcaster:
             self._marks[1].record(self.nccl_stream)
         while self._inflight:
             self._retire_oldest(timeout, check)
-        if len(self._launched) > 1:
+        if len(self._launched) > 1:  # recorded after the last broadcast's own event
+            self.comm.wait_event(self._marks[1], timeout, "broadcast", check)
             self.link_s = self._marks[0].elapsed_s(self._marks[1])
             self.link_bytes = sum(self._launched[1:])
 
