@@ -26,16 +26,37 @@ def test_report_redraws_from_a_runs_json(tmp_path):
                 "unpacked send qwen3-8b", "many-small", "large", "uniqueid.handshake",
                 "from_unique_id_bytes", "| 64 MiB | 1 |", "| 2048 MiB | 3 |"):
         assert row in table, row
-    assert "| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0499 |" in table
+    assert "| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0491 |" in table
+    assert "broadcasts alone 361.8 GB/s (0.989 x raw)" in table
     assert (tmp_path / "bench.md").read_text().strip() in table
 
 
 def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
     table = _redraw("benches/bench-2xh200.json", tmp_path)
     for row in ("vLLM 0.33.0 sparse_nccl engine",
-                "| 1% | 0.49 | 16.38 | 0.03 | 0.688 |", "| 10% |",
-                "| 50% | 24.57 | 16.38 | 1.50 | 0.701 | 0.682 | 0.812 | 0.045 | 15.5 | 0.050 |",
-                "- 1%: patches 0.431 s, broadcasts 0.582 s of 0.688 s"):
+                "| 1% | 0.49 | 16.38 | 0.03 | 0.601 |", "| 10% |",
+                "| 50% | 24.57 | 16.38 | 1.50 | 0.686 | 0.651 | 0.776 | 0.045 | 15.3 | 0.049 |",
+                "- 1%: patches 0.495 s, broadcasts 0.509 s of 0.601 s"):
+        assert row in table, row
+
+
+def test_fixed_cost_and_slow_link_rows_sit_beside_their_baselines(tmp_path):
+    table = _redraw("benches/bench-2xh200.json", tmp_path)
+    for row in ("| ours, `send()` | 6.06 | 5.34 | 0.98 |",
+                "| vLLM's torch engine, `send_weights()` | 6.20 |",
+                "| ours | 1.23 | 2.33 | 1.51 |",
+                "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket",
+                "| dense, packed 1 GiB x 2 | 1.54 | 0.238 | 0.224 | 1.0 |",
+                "| sparse, 1% changed | 0.046 | 0.058 | 0.054 | 4.1 |"):
+        assert row in table, row
+
+
+def test_training_loop_rows_compare_each_push_with_no_push(tmp_path):
+    table = _redraw("benches/train-2xh200.json", tmp_path)
+    for row in ("| none | 23.88 | 0.00 | 0 | |",
+                "| blocking `send()` | 49.27 | 25.39 | 26.11 | 20.19 |",
+                "| `send(wait=False)` | 30.01 | 6.14 | 1.94 | 6.50 |",
+                "adds 0.24 x what the blocking push adds"):
         assert row in table, row
 
 
