@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from jax_sender.testing.harness import SHARE_GPUS, gpu_count, gpu_env, run_all  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
+IDS = "JAX_SENDER_BENCH_IDS"
 OUT = ROOT / "results"
 
 
@@ -105,12 +106,12 @@ def _emit(obj) -> None:
 
 # -- child roles (one GPU each) -------------------------------------------------
 
-def role_raw(rank: str, world: str, uid: str, reps: str) -> None:
+def role_raw(rank: str, world: str, reps: str) -> None:
     import jax.numpy as jnp
 
     from nccl_cffi import Communicator, cuda
     from uniqueid import UniqueId, warm_up
-    comm = Communicator.init_rank(int(world), UniqueId.from_b64(uid).raw, int(rank), 0,
+    comm = Communicator.init_rank(int(world), UniqueId.from_b64(_ids()).raw, int(rank), 0,
                                   blocking=True, timeout=120, then=warm_up)
     buf = jnp.zeros((GiB,), jnp.uint8).block_until_ready()
     stream = cuda.Stream(0)
@@ -129,10 +130,10 @@ def _at(start: float) -> None:
     time.sleep(max(start - time.time(), 0.0))
 
 
-def role_init_ours(rank: str, uids: str, start: str) -> None:
+def role_init_ours(rank: str, start: str) -> None:
     from uniqueid import UniqueId, handshake
     times = []
-    for i, uid in enumerate(json.loads(uids)):
+    for i, uid in enumerate(_ids()):
         _at(float(start) + 1.0 * i)
         t = time.perf_counter()
         comm = handshake(2, UniqueId.from_b64(uid), int(rank), 0, timeout=60)
@@ -141,13 +142,13 @@ def role_init_ours(rank: str, uids: str, start: str) -> None:
     _emit(times)
 
 
-def role_init_vllm(rank: str, uids: str, start: str) -> None:
+def role_init_vllm(rank: str, start: str) -> None:
     _vllm_path()
     import torch
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     torch.cuda.set_device(0)
     times = []
-    for i, uid in enumerate(json.loads(uids)):
+    for i, uid in enumerate(_ids()):
         _at(float(start) + 1.0 * i)
         t = time.perf_counter()
         comm = PyNcclCommunicator.from_unique_id_bytes(base64.b64decode(uid), int(rank), 2, 0)
@@ -396,10 +397,19 @@ def _results(out: str, err: str = "") -> list:
     return found
 
 
-def _ranks(role: str, n: int, *args: str, timeout: float = 300, script: str = __file__) -> list:
-    """Run ``script``'s ``role`` as ranks 0..n-1 (GPUs 0..n-1); each rank's results."""
+def _ids():
+    """The unique ids a rank was given: in its environment, never on a command
+    line (a failing rank's error shows its arguments, and an id is a credential)."""
+    return json.loads(os.environ[IDS])
+
+
+def _ranks(role: str, n: int, *args: str, ids=None, timeout: float = 300,
+           script: str = __file__) -> list:
+    """Run ``script``'s ``role`` as ranks 0..n-1 (GPUs 0..n-1) with the unique
+    ids ``ids`` (see ``_ids``); each rank's results."""
     procs = [subprocess.Popen([sys.executable, script, role, str(r), *args],
-                              env=gpu_env(str(r)), stdout=subprocess.PIPE,
+                              env=dict(gpu_env(str(r)), **{IDS: json.dumps(ids)}),
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     return [_results(out) for out in run_all(procs, timeout, expect="RESULT ")]
@@ -427,8 +437,8 @@ def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
     roles = [("ours", "role_init_ours")] + ([("vllm", "role_init_vllm")] if vllm else [])
     for label, role in roles:
         start = str(time.time() + (25 if label == "vllm" else 10))  # imports first
-        uids = json.dumps([_uid() for _ in range(reps + 1)])
-        ranks = _ranks(role, 2, uids, start, timeout=120 + reps)
+        ranks = _ranks(role, 2, start, ids=[_uid() for _ in range(reps + 1)],
+                       timeout=120 + reps)
         out[label] = [max(a, b) for a, b in zip(ranks[0][0], ranks[1][0])][1:]
     return out
 
@@ -461,9 +471,18 @@ def _environment(extra: dict[str, str]):
                 os.environ[k] = v
 
 
+def need_gpus(n: int) -> None:
+    """Exit with one sentence where there are fewer than ``n`` GPUs."""
+    found = gpu_count()
+    if found < n:
+        sys.exit(f"this benchmark needs {n} NVIDIA GPUs and found {found}: run it on a "
+                 "machine with them (cuda13 extra installed); nothing was measured")
+
+
 def run(reps: int, quick: bool, only: str | None = None) -> dict:
     """Every stage's figures are saved as soon as they exist."""
     from jax_sender.testing.harness import vllm_available
+    need_gpus(2)
     if os.environ.get(SHARE_GPUS):
         sys.exit(f"unset {SHARE_GPUS}: ranks sharing a GPU talk over sockets, so their "
                  "timings mean nothing")
@@ -472,7 +491,7 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
     four = gpu_count() >= 4
     if only == "servers" and not four:
         sys.exit("--only servers needs 4 GPUs")
-    data["raw"] = _ranks("role_raw", 2, "2", _uid(), str(reps))[0][0]
+    data["raw"] = _ranks("role_raw", 2, "2", str(reps), ids=_uid())[0][0]
     vllm = vllm_available()
     data["target"] = "vLLM 0.33.0 consumer" if vllm else "reference receiver"
     if only in (None, "dense"):
@@ -535,7 +554,7 @@ def _server(gpu: str, vllm: bool, sparse: bool = False):
 def _servers(data: dict, reps: int, vllm: bool, save) -> None:
     """4 GPUs: a 4-rank raw broadcast, then qwen3-8b into three servers (GPUs
     1-3) by one broadcast, and by one push per server, one after another."""
-    data["raw4"] = _ranks("role_raw", 4, "4", _uid(), str(reps))[0][0]
+    data["raw4"] = _ranks("role_raw", 4, "4", str(reps), ids=_uid())[0][0]
     save()
     servers = [_server(g, vllm) for g in "123"]
     job = json.dumps([_job("qwen3-8b", "packed", reps)])

@@ -22,14 +22,13 @@ to raw, and the sender's host time per broadcast inside ``broadcast()``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
 from collections import deque
 
-from bench import GiB, _emit, _ranks, _uid, workload
+from bench import GiB, _emit, _ids, _ranks, _uid, need_gpus, workload
 
 WINDOW = 8
 
@@ -54,7 +53,7 @@ def _pass(comm, ptr: int, counts: list[int], stream, events: list) -> tuple[floa
     return time.perf_counter() - t0, in_call
 
 
-def role_rank(rank: str, uids: str, reps: str) -> None:
+def role_rank(rank: str, reps: str) -> None:
     import jax.numpy as jnp
 
     from jax_sender.packer import buffer_pointer
@@ -65,7 +64,7 @@ def role_rank(rank: str, uids: str, reps: str) -> None:
     ptr, stream, events = buffer_pointer(buf), cuda.Stream(0), []
     flag = jnp.zeros((1,), jnp.float32).block_until_ready()
     out = {}
-    for label, uid in json.loads(uids).items():
+    for label, uid in _ids().items():
         blocking = rank == "1" or label == "blocking"
         comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0,
                                       blocking=blocking, timeout=120)
@@ -100,9 +99,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     reps = str(ap.parse_args().reps)
-    raw = _ranks("role_raw", 2, "2", _uid(), reps)[0][0]
-    uids = json.dumps({"non-blocking": _uid(), "blocking": _uid()})
-    print(report(raw, _ranks("role_rank", 2, uids, reps, script=__file__)[0][0]))
+    need_gpus(2)
+    raw = _ranks("role_raw", 2, "2", reps, ids=_uid())[0][0]
+    uids = {"non-blocking": _uid(), "blocking": _uid()}
+    print(report(raw, _ranks("role_rank", 2, reps, ids=uids, script=__file__)[0][0]))
 
 
 if __name__ == "__main__":

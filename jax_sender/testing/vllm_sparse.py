@@ -17,14 +17,22 @@ import sys
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("tree")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tree", help="the folder holding vLLM 0.33.0's server.py and shim.py")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--log", required=True)
+    ap.add_argument("--log", required=True, help="file that gets one JSON line per request")
     args = ap.parse_args()
+    missing = [f for f in ("server.py", "shim.py") if not os.path.isfile(os.path.join(args.tree, f))]
+    if missing:
+        sys.exit(f"vLLM's sparse engine not started: {args.tree} has no {' or '.join(missing)}; "
+                 "it needs vLLM 0.33.0's receiving code there (see docs/testing.md)")
     sys.path.insert(0, args.tree)
-    import shim  # the tree's: lets vLLM's NCCL code run on this image
-    shim.load()
+    try:
+        import shim  # the tree's: lets vLLM's NCCL code run on this image
+        shim.load()
+    except ImportError as e:
+        sys.exit(f"vLLM's sparse engine not started: {e.name} does not import here; it needs "
+                 "torch and vLLM's tree on PYTHONPATH (see docs/testing.md)")
     spec = importlib.util.spec_from_file_location("vllm_server", f"{args.tree}/server.py")
     server = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(server)
