@@ -127,6 +127,9 @@ class MemoryServer:
 
     def route(self, path: str, body) -> tuple[int, dict]:
         if path in self.fail:
+            if path == "/update_weights" and self.active:  # like a load_weights that raises:
+                self.receive(UpdateInfo.from_payload(body["update_info"]))  # after the bytes,
+                self.active = False  # and vLLM drops the session
             return self.fail[path], {"error": {"message": f"injected failure of {path}",
                                                "type": "InternalServerError", "code": 500}}
         if path == "/start_weight_update":
@@ -188,13 +191,29 @@ def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1,
                       packed_num_buffers=config.num_buffers) for i in range(servers)]
     hosts = [MemoryServer(w, i) for w, i in zip(wires, infos)]
     clients = [VLLMClient(h.url, read_timeout=20) for h in hosts]
-    conn = Connection(MemoryComm(), clients, infos, 0, uid)
-    route = SingleProcess(clients, 0, config)
+    route = MemoryRoute(clients, 0, config, infos=infos)
+    conn = route.form(config.init_timeout_s)
     tee = _Tee(wires)
     caster = MemoryBroadcaster(tee, delay_s)
     sender = WeightSender(conn, route, config=config, device=jax.devices("cpu")[0],
                           broadcaster=lambda _: caster, **kwargs)
     return sender, hosts, caster
+
+
+class MemoryRoute(SingleProcess):
+    """``SingleProcess`` whose (re)connect forms a fresh in-memory group with
+    the same servers (and the same unique id: minting one opens NCCL's
+    bootstrap listener, which only a real init closes)."""
+
+    def __init__(self, *args, infos: list[InitInfo], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.infos = infos
+        self.formed: list[Connection] = []
+
+    def form(self, timeout_s: float) -> Connection:
+        conn = Connection(MemoryComm(), self.clients, self.infos, 0, self.infos[0].unique_id)
+        self.formed.append(conn)
+        return conn
 
 
 class _Tee:

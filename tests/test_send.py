@@ -175,3 +175,31 @@ def test_a_group_sender_refuses_an_asynchronous_push_clearly():
     with pytest.raises(TransferError, match="single-process sender"):
         sender.send(params(), wait=False)
     assert server.routes() == [] and not sender.broken
+
+
+def test_a_hundred_failed_sends_and_reconnects_leave_threads_and_files_flat():
+    """Each push broadcasts everything, then the worker's load fails (HTTP 500
+    on /update_weights, the session dropped, as vLLM does): the communicator
+    is aborted and reconnect() forms a new group. Threads and file
+    descriptors must not pile up."""
+    import os
+    import threading
+
+    sender, (server,), caster = memory_sender(SMALL)
+    server.fail["/update_weights"] = 500
+    p = params(8)
+    counts = []
+    for i in range(100):
+        with pytest.raises(SendError, match="injected failure of /update_weights"):
+            sender.send(p)
+        assert sender.connection.comm.aborted and sender.broken
+        sender.reconnect()
+        assert not sender.broken and not sender._orphans
+        counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+    # Flat after the first ten (earlier tests' servers may still be winding down).
+    threads, files = counts[10]
+    assert all(t <= threads and f <= files for t, f in counts[10:]), (counts[:3], counts[-3:])
+    assert len(sender.route.formed) == 101 and all(c.comm.aborted for c in sender.route.formed[:-1])
+    server.fail.clear()
+    sender.send(p)
+    assert held(server) == expected(p)
