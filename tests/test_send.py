@@ -189,7 +189,7 @@ def test_a_hundred_failed_sends_and_reconnects_leave_threads_and_files_flat():
     server.fail["/update_weights"] = 500
     p = params(8)
     counts = []
-    for i in range(100):
+    for _ in range(100):
         with pytest.raises(SendError, match="injected failure of /update_weights"):
             sender.send(p)
         assert sender.connection.comm.aborted and sender.broken
