@@ -17,6 +17,7 @@ import json
 import queue
 import threading
 import time
+from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
@@ -148,6 +149,9 @@ class MemoryServer:
             if not self.active:
                 return 500, {"error": {"message": "no matching start_weight_update"}}
             self.active = False
+        elif path == "/weight_checker" and body == {"action": "checksum"}:
+            return 200, {"checksums": {f"dp0:pp0:pcp0:tp0:{name}": sha256(a.tobytes()).hexdigest()
+                                       for name, a in self.store.items()}}
         return 200, {"message": "ok"}
 
     def receive(self, update: UpdateInfo) -> None:

@@ -203,3 +203,15 @@ def test_a_hundred_failed_sends_and_reconnects_leave_threads_and_files_flat():
     server.fail.clear()
     sender.send(p)
     assert held(server) == expected(p)
+
+
+def test_verify_compares_vllms_checksums_with_the_trainers():
+    sender, (server,), _ = memory_sender(SMALL)
+    p = params(9)
+    sender.send(p)
+    check = sender.verify(p)
+    assert check.ok and sorted(check.matched) == sorted(expected(p)) and not check.unchecked
+    server.store["layer.w"] = server.store["layer.w"] + 1  # silent corruption on the worker
+    del server.store["head"]  # a name the server reports no longer (fused, say)
+    check = sender.verify(p)
+    assert not check.ok and check.mismatched == ("layer.w",) and check.unchecked == ("head",)
