@@ -759,7 +759,10 @@ def _dense_report(data: dict, raw: float) -> list[str]:
             note += (f"; per tensor: {per('transfer'):.1f} us in all, of which the sender's "
                      f"host {per('host'):.1f} us; prepare {per('prepare'):.1f} us")
         if j is data["ours"][0]:
-            bound = j["nbuf"] * j["buffer"] + j["largest"]
+            # num_buffers slots, each at most the buffer plus the last tensor of a
+            # chunk (a tensor larger than the buffer is sent from its own memory)
+            fits = [math.prod(s) * 2 for _, s in workload(j["workload"])]
+            bound = j["nbuf"] * (j["buffer"] + max(n for n in fits if n <= j["buffer"]))
             note += (f"; sender peak extra {j['peak'] / GiB:.2f} GiB "
                      f"(bound {bound / GiB:.2f} GiB)")
         lines.append(_row(label, j["bytes"], j["transfer"], raw, note + "; ratio to raw"))
