@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import jax
 import numpy as np
+from recorder import answer
 
 from jax_sender import SendConfig, WeightSender
 from jax_sender.plan import TensorMeta, plan_chunks
@@ -104,13 +105,7 @@ class MemoryServer:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 path = self.path.split("?")[0]
                 arrived = time.monotonic()
-                status, body = server.route(path, json.loads(raw) if raw else None)
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, *server.route(path, json.loads(raw) if raw else None))
                 server.log.append((path, arrived, time.monotonic()))
 
             do_GET = do_POST = _do

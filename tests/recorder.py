@@ -7,6 +7,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+def answer(handler: BaseHTTPRequestHandler, status: int, body) -> None:
+    """Send ``body`` as a JSON answer with ``status``."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class Recorder:
     def __init__(self, answers=None, delay=0.0):
         self.requests = []
@@ -22,13 +32,7 @@ class Recorder:
                 rec.requests.append((self.command, self.path, raw,
                                      {k.lower(): v for k, v in self.headers.items()}))
                 time.sleep(rec.delay)
-                status, body = rec.answers.get(self.path.split("?")[0], (200, {"message": "ok"}))
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, *rec.answers.get(self.path.split("?")[0], (200, {"message": "ok"})))
 
             do_GET = do_POST = _do
 
