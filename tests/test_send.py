@@ -215,3 +215,21 @@ def test_verify_compares_vllms_checksums_with_the_trainers():
     del server.store["head"]  # a name the server reports no longer (fused, say)
     check = sender.verify(p)
     assert not check.ok and check.mismatched == ("layer.w",) and check.unchecked == ("head",)
+
+
+def test_every_packages_errors_pickle_with_their_cause_text():
+    """They cross process boundaries in multi-process trainers and harnesses."""
+    import pickle
+
+    from jax_sender import GatherTimeout, TransferError
+    from uniqueid import RendezvousError, RendezvousTimeout, UniqueIdError, VLLMHTTPError
+    http = VLLMHTTPError("/update_weights", 500, "worker 0 died", {"error": {}})
+    back = pickle.loads(pickle.dumps(http))
+    assert (back.route, back.status, back.message, str(back)) == (
+        http.route, http.status, http.message, str(http))
+    for err, root in ((http, RendezvousError), (RendezvousTimeout("late"), RendezvousError),
+                      (UniqueIdError("bad id"), RendezvousError),
+                      (SendError("failed"), TransferError), (MetadataError("no"), TransferError),
+                      (GatherTimeout("gather"), TransferError)):
+        again = pickle.loads(pickle.dumps(err))
+        assert type(again) is type(err) and str(again) == str(err) and isinstance(again, root)
