@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -40,23 +42,20 @@ def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
         assert row in table, row
 
 
-def test_fixed_cost_and_slow_link_rows_sit_beside_their_baselines(tmp_path):
-    table = _redraw("benches/bench-2xh200.json", tmp_path)
-    for row in ("| ours, `send()` | 6.06 | 5.34 | 0.98 |",
-                "| vLLM's torch engine, `send_weights()` | 6.20 |",
-                "| ours | 1.23 | 2.33 | 1.51 |",
-                "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket",
-                "| dense, packed 1 GiB x 2 | 1.54 | 0.238 | 0.224 | 1.0 |",
-                "| sparse, 1% changed | 0.046 | 0.058 | 0.054 | 4.1 |"):
-        assert row in table, row
-
-
-def test_training_loop_rows_compare_each_push_with_no_push(tmp_path):
-    table = _redraw("benches/train-2xh200.json", tmp_path)
-    for row in ("| none | 23.88 | 0.00 | 0 | |",
-                "| blocking `send()` | 49.27 | 25.39 | 26.11 | 20.19 |",
-                "| `send(wait=False)` | 30.01 | 6.14 | 1.94 | 6.50 |",
-                "adds 0.24 x what the blocking push adds"):
+@pytest.mark.parametrize("run, rows", [
+    ("benches/bench-2xh200.json",  # a push's fixed cost, and sparse over a slow link
+     ["| ours, `send()` | 6.06 | 5.34 | 0.98 |", "| vLLM's torch engine, `send_weights()` | 6.20 |",
+      "| ours | 1.23 | 2.33 | 1.51 |", "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket",
+      "| dense, packed 1 GiB x 2 | 1.54 | 0.238 | 0.224 | 1.0 |",
+      "| sparse, 1% changed | 0.046 | 0.058 | 0.054 | 4.1 |"]),
+    ("benches/train-2xh200.json",  # the training loop: each push against no push
+     ["| none | 23.88 | 0.00 | 0 | |", "| blocking `send()` | 49.27 | 25.39 | 26.11 | 20.19 |",
+      "| `send(wait=False)` | 30.01 | 6.14 | 1.94 | 6.50 |",
+      "adds 0.24 x what the blocking push adds"]),
+])
+def test_each_stage_sits_beside_its_baselines(tmp_path, run, rows):
+    table = _redraw(run, tmp_path)
+    for row in rows:
         assert row in table, row
 
 
