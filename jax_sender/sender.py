@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +135,10 @@ class SingleProcess:
     workers: Sequence[int] | None = None
     rank: int = 0
     group: None = None
+    # Its plan depends only on the metadata, so it is kept while that stays the
+    # same; a lone sender may push in the background and send sparse patches.
+    stable_plan: ClassVar[bool] = True
+    alone: ClassVar[bool] = True
 
     def form(self, timeout_s: float) -> Connection:
         c = self.config
@@ -152,6 +156,11 @@ class ProcessGroup:
     """This process's part in a multi-process trainer (see ``group.py``)."""
 
     group: TrainerGroup
+    # Owners come from the arrays' shardings, so every push plans again; the
+    # gathers run in step on every process, so no push runs in the background,
+    # and vLLM's sparse engine takes patches from rank 0 only.
+    stable_plan: ClassVar[bool] = False
+    alone: ClassVar[bool] = False
 
     @property
     def rank(self) -> int | None:
@@ -381,7 +390,7 @@ class WeightSender:
         same object (``prepare``'s cache); a group re-plans every time, since
         its owners come from the arrays' shardings."""
         info = self.info
-        if self.group is None and self._turns is not None and self._turns[0] is metas:
+        if self.route.stable_plan and self._turns is not None and self._turns[0] is metas:
             turns = self._turns[1]
         else:
             turns = turn_updates(self.route.plan(metas, sources), metas,
@@ -410,7 +419,7 @@ class WeightSender:
         a push larger than ``config.staging_bytes`` runs blocking instead.
         """
         t0 = time.perf_counter()
-        if not wait and self.group is not None:
+        if not wait and not self.route.alone:
             raise TransferError("send(wait=False) needs a single-process sender (connect): "
                                 "a group's gathers run in step on every process")
         self._join_pending()
@@ -491,7 +500,7 @@ class WeightSender:
         t0 = time.perf_counter()
         self._join_pending()
         self._ensure_usable()
-        if self.group is not None:
+        if not self.route.alone:
             raise MetadataError("vLLM's sparse engine takes patches from trainer rank 0 only: "
                                 "send_sparse needs a single-process sender (connect)")
         metas, sources = describe(params, self.mapping)
