@@ -183,11 +183,13 @@ def ready(array: jax.Array, timeout: float, what: str) -> jax.Array:
     return array
 
 
-def join_gathers(plan: BroadcastPlan, arrays: Sequence[Any], process: int,
+def join_gathers(turns: Sequence[Turn], arrays: Sequence[Any], process: int,
                  timeout: float) -> None:
     """A process outside the transfer group joins the gathers of the parameters
-    it co-owns, in their broadcaster's order (the broadcaster runs the same)."""
-    for turn in plan.turns:
+    it co-owns, in their broadcaster's order: the turns as ``turn_updates``
+    gives them (a packed turn's parameters in wire order), as the broadcaster
+    gathers them."""
+    for turn in turns:
         for i in turn.params:
             arr = arrays[i]
             if process in (owners_of(arr) or ()) and not arr.is_fully_addressable:

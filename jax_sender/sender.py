@@ -436,9 +436,10 @@ class WeightSender:
         n_chunks = sum(len(t.chunks) if info.packed else len(t.metas) for t in turns)
         stats = SendStats(nbytes, len(metas), n_chunks, info.packed,
                           all(t.update.reuse for t in turns), 0.0)
-        if self.connection is None:  # outside the transfer group: only the gathers
-            plan = self.route.plan(metas, sources)
-            join_gathers(plan, [a for _, a in sources], self.group.process, timeout)
+        if self.connection is None:  # outside the transfer group: only the gathers,
+            # in the order the broadcasters gather (their turns, in wire order)
+            join_gathers([t.turn for t in turns], [a for _, a in sources], self.group.process,
+                         timeout)
             stats.prepare_s = stats.returned_s = time.perf_counter() - t0
             return stats
         snapshot = None if wait else self._snapshot(metas, sources)

@@ -64,6 +64,7 @@ def main(scenario: str, process: int, port: str) -> None:
         owners_of,
         ready,
         share_from_process_0,
+        turn_updates,
     )
     from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
     devices = sorted(jax.devices(), key=lambda d: d.id)
@@ -74,18 +75,23 @@ def main(scenario: str, process: int, port: str) -> None:
                               [owners_of(a) for a in arrays])
 
     if scenario == "fsdp":
-        # Every parameter over both processes: process 0 broadcasts, process 1 only gathers.
-        names = ["fsdp.a", "fsdp.b"]
+        # Every parameter over both processes: process 0 broadcasts, process 1 only
+        # gathers, both in the packed wire order (fsdp.a, larger than the 64-byte
+        # buffer, goes first although it is listed second).
+        names = ["fsdp.b", "fsdp.a"]
         arrays = [_global(n, devices) for n in names]
         plan = plan_of(names, arrays)
         assert plan.group == (0,) and [t.params for t in plan.turns] == [(0, 1)], plan
+        metas = [TensorMeta.of(n, a) for n, a in zip(names, arrays)]
+        (turn,) = [t.turn for t in turn_updates(plan, metas, 64, {})]
+        assert turn.params == (1, 0), turn
         if process == 0:
-            for n, a in zip(names, arrays):
-                full = ready(gather(a), 60, n)
-                assert np.array_equal(np.asarray(full), VALUES[n]), n
+            for i in turn.params:
+                full = ready(gather(arrays[i]), 60, names[i])
+                assert np.array_equal(np.asarray(full), VALUES[names[i]]), names[i]
         else:
-            join_gathers(plan, arrays, process, 60)
-        print(f"OK fsdp: process {process}, group {plan.group}")
+            join_gathers([turn], arrays, process, 60)
+        print(f"OK fsdp: process {process}, group {plan.group}, order {turn.params}")
     elif scenario == "stages":
         # One stage per process: two broadcasters, no gather.
         names = ["stage0.w", "stage1.w"]
