@@ -340,17 +340,17 @@ class WeightSender:
             out = jax.device_put(out, self.device)
         return out
 
-    def _local(self, sources: Sequence[tuple[Any, Any]]) -> bool:
-        """Every source a JAX array on the sender's device, sent as it is."""
+    def _on_device(self, sources: Sequence[tuple[Any, Any]]) -> bool:
+        """Every source a JAX array on the sender's device alone (no gather needed)."""
         dev = {self.device}
-        return self.mapping.transform is identity and all(
-            isinstance(a, jax.Array) and a.sharding.device_set == dev for _, a in sources)
+        return all(isinstance(a, jax.Array) and a.sharding.device_set == dev for _, a in sources)
 
     def _getter(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
                 ) -> tuple[Callable[[int], jax.Array], bool]:
         """Tensor ``i`` on the sender's device, ready and checked against its
         metadata; and whether what it returns may be a temporary."""
-        if self._local(sources):  # the caller's arrays, one readiness wait for all
+        if self.mapping.transform is identity and self._on_device(sources):
+            # the caller's arrays as they are, one readiness wait for all
             arrays = [a for _, a in sources]
             return arrays.__getitem__, False
 
@@ -374,9 +374,7 @@ class WeightSender:
         ``config.staging_bytes`` or the sources need gathering."""
         nbytes = sum(m.nbytes for m in metas)
         bound = self.config.staging_bytes
-        if (bound is not None and nbytes > bound) or not all(
-                isinstance(a, jax.Array) and a.sharding.device_set == {self.device}
-                for _, a in sources):
+        if (bound is not None and nbytes > bound) or not self._on_device(sources):
             return None
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
@@ -504,9 +502,7 @@ class WeightSender:
         if not self.route.alone:
             raise MetadataError("vLLM's sparse engine takes patches from trainer rank 0 only: "
                                 "send_sparse needs a single-process sender (connect)")
-        metas, sources = describe(params, self.mapping)
-        if self.load_plan is not None:
-            self.load_plan.check(metas)
+        metas, sources = self.prepare(params)
         before, old_sources = describe(previous, self.mapping)
         check_against(before, metas)
         for m in metas:
