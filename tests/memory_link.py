@@ -47,9 +47,10 @@ class MemoryComm:
 
 
 class MemoryBroadcaster:
-    """Puts each broadcast's bytes on ``wire`` (root, bytes, time)."""
+    """Puts each broadcast's bytes on ``wire``; like NCCL's, a broadcast ends
+    only once every receiver took it (``check`` polled meanwhile, 10 s at most)."""
 
-    def __init__(self, wire: queue.Queue, delay_s: float = 0.0):
+    def __init__(self, wire: _Tee, delay_s: float = 0.0):
         self.wire = wire
         self.delay_s = delay_s
         self.started = 0.0
@@ -57,13 +58,18 @@ class MemoryBroadcaster:
         self.link_s = 0.0
         self.link_bytes = 0
         self.closed = False
-        self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time)
+        self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time issued)
 
     def _put(self, root: int, data: bytes, check) -> None:
         self.started = self.started or time.perf_counter()
         time.sleep(self.delay_s)
         self.sent.append((root, len(data), time.monotonic()))
-        self.wire.put((root, data))
+        taken = self.wire.put((root, data))
+        deadline = time.monotonic() + 10
+        while not all(e.wait(0.01) for e in taken):
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError("a receiver did not take the broadcast within 10 s")
         check()
 
     def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
@@ -165,7 +171,8 @@ class MemoryServer:
                 self._load(m, self._take(m.nbytes, update.src))
 
     def _take(self, nbytes: int, src: int) -> bytes:
-        root, data = self.wire.get(timeout=10)
+        root, data, taken = self.wire.get(timeout=10)
+        taken.set()
         assert (root, len(data)) == (src, nbytes), (root, len(data), src, nbytes)
         return data
 
@@ -221,6 +228,9 @@ class _Tee:
     def __init__(self, wires: list[queue.Queue]):
         self.wires = wires
 
-    def put(self, item) -> None:
-        for w in self.wires:
-            w.put(item)
+    def put(self, item) -> list[threading.Event]:
+        """Hand ``item`` to every wire; the events are set as each takes it."""
+        taken = [threading.Event() for _ in self.wires]
+        for w, e in zip(self.wires, taken):
+            w.put((*item, e))
+        return taken
