@@ -15,14 +15,14 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
   the same server; a buffer-size sweep; ``many-small``; ``large``;
 - with 4 GPUs: a 4-rank raw broadcast, and ``qwen3-8b`` into three servers
   (GPUs 1-3) by one broadcast, against one push per server in turn;
-- ``send_sparse`` of ``qwen3-8b`` with 1%, 10% and 50% of the elements
+- ``SparseSender.send`` of ``qwen3-8b`` with 1%, 10% and 50% of the elements
   changed into vLLM's own ``sparse_nccl`` engine (``jax_sender.testing.vllm_sparse``),
   next to the dense sends above;
 - a push's fixed cost: one 4 KiB tensor, the whole ``send()`` against vLLM's
   torch engine's ``send_weights()`` (both: start, update, finish);
 - a slow link (``--only slow``): both ends forced onto NCCL's socket
   transport over loopback, four qwen3-8b layers, a dense push against
-  ``send_sparse`` at 1% and 10% changed;
+  ``SparseSender.send`` at 1% and 10% changed;
 - a training loop (``--only train``): a Flax decoder's step on GPU 0
   (forward, backward, SGD, parameters donated) pushing to the server after
   every step: no push, the blocking push, ``send(wait=False)``.
@@ -233,19 +233,19 @@ def role_jax(url: str, jobs: str) -> None:
 
 
 def role_sparse(url: str, fractions: str, reps: str, name: str = "qwen3-8b") -> None:
-    """``send_sparse`` of workload ``name`` with a fraction of each tensor's elements changed."""
+    """``SparseSender.send`` of workload ``name`` with a fraction of each tensor's elements changed."""
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import SendConfig, WeightSender
+    from jax_sender import SparseSender
     old = _workload_pairs(name)
     keys = jax.random.split(jax.random.PRNGKey(0), len(old))  # the keys behind the values
-    sender = WeightSender.connect(url, config=SendConfig(packed=False))
+    sender = SparseSender.connect(url)
     bump = jax.jit(lambda a, k, f: jnp.where(jax.random.uniform(k, a.shape) < f, a + 1, a))
     for f in json.loads(fractions):
         new = None  # free the previous fraction's copy first
         new = [(n, bump(a, k, f)) for (n, a), k in zip(old, keys)]
-        stats = [sender.send_sparse(new, old) for _ in range(int(reps) + 1)][1:]
+        stats = [sender.send(new, old) for _ in range(int(reps) + 1)][1:]
         _emit(dict(fraction=f, transfer=[x.transfer_s for x in stats],
                    total=[x.total_s for x in stats], prepare=[x.prepare_s for x in stats],
                    broadcast=[x.broadcast_s for x in stats], host=[x.host_s for x in stats],
@@ -713,7 +713,7 @@ def _servers_report(data: dict) -> list[str]:
 def _sparse_report(data: dict, raw: float) -> list[str]:
     dense = next((j for j in data.get("ours", []) if (j["workload"], j["mode"], j["buffer"],
                   j["nbuf"]) == ("qwen3-8b", "packed", GiB, 2)), None)
-    lines = ["", f"Sparse: `send_sparse` of qwen3-8b into {data['sparse_target']}. Baselines "
+    lines = ["", f"Sparse: `SparseSender.send` of qwen3-8b into {data['sparse_target']}. Baselines "
              "of the same run: the dense bytes at the raw broadcast's speed"
              + (", and the packed dense send above" if dense else "") + ".", "",
              "| changed | wire GB | dense GB | wire / dense | median s | best s | "

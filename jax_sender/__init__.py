@@ -18,22 +18,25 @@ _EXPORTS = {
     "WIRE_DTYPES": "plan", "Chunk": "plan", "LoadPlan": "plan", "TensorMeta": "plan",
     "plan_chunks": "plan", "wire_order": "plan",
     "PendingSend": "push", "PushCancelled": "push", "SendStats": "push",
-    "VerifyResult": "sender", "WeightSender": "sender", "describe": "sender",
+    "VerifyResult": "sender", "WeightSender": "sender", "describe": "base",
+    "SparseSender": "sparse_sender",
 }
 __all__ = [
     "LLAMA", "WIRE_DTYPES", "Chunk", "GatherTimeout", "LoadPlan", "Mapping", "MetadataError",
-    "PendingSend", "PushCancelled", "SendConfig", "SendError", "SendStats", "TensorMeta",
+    "PendingSend", "PushCancelled", "SendConfig", "SendError", "SendStats", "SparseSender", "TensorMeta",
     "TransferError", "VerifyResult", "WeightSender", "describe", "flatten", "llama_name",
     "llama_transform", "named_arrays", "plan_chunks", "wire_order",
 ]
 
 if TYPE_CHECKING:
+    from .base import describe
     from .config import SendConfig
     from .errors import GatherTimeout, MetadataError, SendError, TransferError
     from .naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
     from .plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
     from .push import PendingSend, PushCancelled, SendStats
-    from .sender import VerifyResult, WeightSender, describe
+    from .sender import VerifyResult, WeightSender
+    from .sparse_sender import SparseSender
 
 
 assert sorted(__all__) == sorted(_EXPORTS)

@@ -398,14 +398,14 @@ def sparse(url: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import MetadataError, SendConfig, WeightSender
+    from jax_sender import MetadataError, SparseSender
     from jax_sender.sparse import SPARSE_DTYPES
     from nccl_cffi.dtypes import dtype_name
-    sender = WeightSender.connect(url, config=SendConfig(packed=False))
+    sender = SparseSender.connect(url)
     client = sender.clients[0]
     v0 = [(n, a) for n, a in _test_tensors(3) if dtype_name(a.dtype) in SPARSE_DTYPES]
     zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
-    first = sender.send_sparse(v0, zeros)  # both receivers start from zeros
+    first = sender.send(v0, zeros)  # both receivers start from zeros
     assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
     key = jax.random.PRNGKey(9)
     v1 = []
@@ -413,7 +413,7 @@ def sparse(url: str) -> None:
         key, k = jax.random.split(key)
         mask = (jax.random.uniform(k, a.shape) < 0.01) & (n != "b.tail")
         v1.append((n, jnp.where(mask, (a.astype(jnp.float32) + 1).astype(a.dtype), a)))
-    second = sender.send_sparse(v1, v0)
+    second = sender.send(v1, v0)
     ans = client.weight_checker("compare", baseline=_checksums(v1, 1))
     assert ans["match"], ans["mismatches"][:5]
     dense = sum(a.nbytes for _, a in v1)
@@ -426,13 +426,13 @@ def sparse(url: str) -> None:
              "sparse worker loads only"),
             ("a.fp16", fp16, fp16.at[0].set(jnp.nan), "are NaN")]:
         try:
-            sender.send_sparse([(name, new)], [(name, old)])
+            sender.send([(name, new)], [(name, old)])
         except MetadataError as e:
             assert why in str(e), e
         else:
             raise AssertionError(f"sent a sparse update vLLM would refuse: {why}")
     assert not sender.broken  # refused up front: the group is intact
-    third = sender.send_sparse(v0, v1)
+    third = sender.send(v0, v1)
     assert client.weight_checker("compare", baseline=_checksums(v0, 1))["match"]
     sender.close()
     print(f"OK sparse: first push {first.bytes} B, 1% push {second.bytes} B "

@@ -1,0 +1,302 @@
+"""What every sender shares: a route's connection, its broadcaster, the push
+thread, and their lifetimes.
+
+``WeightSender`` (dense pushes, ``sender.py``) and ``SparseSender`` (patches
+to vLLM's ``sparse_nccl`` backend, ``sparse_sender.py``) are two senders over
+this one core: they differ in what a push's rounds broadcast, never in how
+a push runs, fails, reconnects or closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jax
+
+from uniqueid import Connection, InitInfo, VLLMClient
+
+from .config import SendConfig
+from .control import ControlPlane
+from .errors import MetadataError, SendError
+from .group import TrainerGroup, gather, ready
+from .naming import Mapping, identity, named_arrays
+from .packer import Broadcaster
+from .plan import LoadPlan, TensorMeta, check_unique
+from .push import PendingSend, Round, SendStats, run_push
+from .routes import Route, jax_device
+
+log = logging.getLogger("jax_sender")
+
+Servers = str | VLLMClient | Sequence[str | VLLMClient]
+_S = TypeVar("_S", bound="BaseSender")
+
+
+def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
+    """Metadata of what ``params`` would send, and per tensor (path, source array).
+
+    Shapes and dtypes after the transform come from ``jax.eval_shape``, so
+    nothing runs on the GPU. Raises ``MetadataError`` for anything the
+    workers could not take.
+    """
+    metas, sources = [], []
+    traced = mapping.transform is not identity
+    for name, path, arr in named_arrays(params, mapping):
+        if not isinstance(name, str) or not name:
+            raise MetadataError(f"parameter at {path} has no checkpoint name")
+        # Tracing costs ~0.3 ms per tensor: skipped for JAX arrays with no transform
+        # (others are traced, which gives the dtype JAX will turn them into).
+        out = (jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr)
+               if traced or not isinstance(arr, jax.Array) else arr)
+        metas.append(TensorMeta.of(name, out))
+        sources.append((path, arr))
+    if not metas:
+        raise MetadataError("nothing to send: the parameter tree has no arrays")
+    check_unique(metas)
+    return metas, sources
+
+
+def _structure(params: Any) -> tuple[Any, list[Any]] | None:
+    """A key for ``describe``'s answer (the tree's structure, names, shapes and
+    dtypes) and the leaves; None when there is no cheap key (host data)."""
+    if isinstance(params, (list, tuple)) and params and isinstance(params[0], tuple):
+        names = tuple(p[0] for p in params)
+        leaves = [p[1] for p in params]
+        tree: Any = names
+    else:
+        leaves, tree = jax.tree_util.tree_flatten(params)
+    if not all(isinstance(x, jax.Array) for x in leaves):
+        return None
+    return (tree, tuple((x.shape, x.dtype) for x in leaves)), leaves
+
+
+@dataclass
+class _Push:
+    """A validated push, ready to run: its rounds and figures."""
+
+    rounds: list[Round]
+    stats: SendStats
+    timeout_s: float
+    http_timeout_s: float
+    sent: dict[int, list[TensorMeta]] = field(default_factory=dict)
+    prefetch: Callable[[], None] = lambda: None
+
+
+class BaseSender:
+    """A route's connection to the servers' workers and the machinery every
+    push runs on. Not built directly: use ``WeightSender`` or ``SparseSender``.
+    """
+
+    def __init__(self, connection: Connection | None, route: Route, *,
+                 mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
+                 load_plan: LoadPlan | None = None, device: jax.Device | None = None,
+                 broadcaster: Callable[[Connection], Broadcaster] | None = None):
+        """``device`` (the JAX device the arrays are sent from; default: the
+        route's GPU) and ``broadcaster`` (what moves the bytes; default:
+        NCCL over the connection's communicator) are for tests, which run
+        the whole push on CPU over an in-memory link."""
+        self.connection = connection
+        self.route = route
+        self.mapping = mapping
+        self.config = config
+        self.load_plan = load_plan
+        self.device = device or jax_device(route.device)
+        self._make_broadcaster = broadcaster or self._nccl_broadcaster
+        self._sent: dict[int, list[TensorMeta]] = {}  # per src: what the workers hold
+        self._described: tuple[Any, list[TensorMeta], list[Any]] | None = None
+        self._broadcaster: Broadcaster | None = None
+        self._pending: PendingSend | None = None
+        self._orphans: list[PendingSend] = []  # push threads abandoned inside NCCL
+        self.broken: str = ""
+
+    def _nccl_broadcaster(self, conn: Connection) -> Broadcaster:
+        return Broadcaster(conn.comm, self.device, self.info.packed_buffer_size_bytes,
+                           self.info.packed_num_buffers)
+
+    @property
+    def group(self) -> TrainerGroup | None:
+        return self.route.group
+
+    @property
+    def info(self) -> InitInfo:
+        return self.connection.init_info if self.connection else self.route.group.init_info
+
+    @property
+    def clients(self) -> list[VLLMClient]:
+        return self.connection.clients if self.connection else []
+
+    # -- preparation (no collective, no HTTP) ----------------------------
+    def prepare(self, params: Any) -> tuple[list[TensorMeta], list[tuple[Any, Any]]]:
+        """``describe(params)``, checked against the load plan when there is one.
+
+        The answer is kept for the next call with the same structure, names,
+        shapes and dtypes: a push of many small tensors otherwise spends more
+        time describing them than sending them."""
+        found = _structure(params)
+        if found is not None and self._described is not None and found[0] == self._described[0]:
+            metas, paths = self._described[1], self._described[2]
+            return metas, list(zip(paths, found[1]))
+        metas, sources = describe(params, self.mapping)
+        if self.load_plan is not None:
+            self.load_plan.check(metas)
+        if found is not None:
+            self._described = (found[0], metas, [p for p, _ in sources])
+        return metas, sources
+
+    def _materialize(self, path: Any, arr: Any) -> jax.Array:
+        """The transformed array on the sender's device (not waited for)."""
+        if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
+            # with this parameter's other owners (processes)
+            arr = ready(gather(arr), self.config.wait_timeout_s(arr.nbytes),
+                        f"the gather of {path}")
+        if not isinstance(arr, jax.Array) or arr.sharding.device_set != {self.device}:
+            # Sharded or elsewhere: gather to this device (costs one full copy).
+            arr = jax.device_put(arr, self.device)
+        if self.mapping.transform is identity:
+            return arr
+        out = self.mapping.transform(path, arr)
+        if out.sharding.device_set != {self.device}:
+            out = jax.device_put(out, self.device)
+        return out
+
+    def _on_device(self, sources: Sequence[tuple[Any, Any]]) -> bool:
+        """Every source a JAX array on the sender's device alone (no gather needed)."""
+        dev = {self.device}
+        return all(isinstance(a, jax.Array) and a.sharding.device_set == dev for _, a in sources)
+
+    def _getter(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
+                ) -> tuple[Callable[[int], jax.Array], bool]:
+        """Tensor ``i`` on the sender's device, ready and checked against its
+        metadata; and whether what it returns may be a temporary."""
+        if self.mapping.transform is identity and self._on_device(sources):
+            # the caller's arrays as they are, one readiness wait for all
+            arrays = [a for _, a in sources]
+            return arrays.__getitem__, False
+
+        def get(i: int) -> jax.Array:
+            arr = self._materialize(*sources[i]).block_until_ready()
+            got = TensorMeta.of(metas[i].name, arr)
+            if got != metas[i]:
+                raise MetadataError(f"{metas[i].name!r}: the transform gave {got.dtype} "
+                                    f"{got.shape}, but {metas[i].dtype} {metas[i].shape} "
+                                    "was declared")
+            return arr
+
+        return get, True
+
+    def _start(self, push: _Push, weight_version: str | None, pause: str | None, name: str,
+               t0: float) -> PendingSend:
+        """Run ``push`` on its thread; the thread aborts the communicator on failure."""
+        conn = self.connection
+        if self._broadcaster is None:
+            self._broadcaster = self._make_broadcaster(conn)
+        broadcaster = self._broadcaster
+
+        def work(cancelled: Callable[[], None]) -> SendStats:
+            try:
+                push.prefetch()
+                run_push(push.rounds, ControlPlane(conn.clients), broadcaster,
+                         timeout_s=push.timeout_s, http_timeout_s=push.http_timeout_s,
+                         weight_version=weight_version, pause=pause, cancelled=cancelled,
+                         stats=push.stats)
+            except BaseException as e:
+                self._fail(e, conn)
+                if isinstance(e, SendError):
+                    raise
+                raise SendError(f"weight push failed: {type(e).__name__}: {e}. The "
+                                "communicator was aborted; call reconnect() before the next "
+                                "send") from e
+            self._sent = push.sent
+            if not push.stats.returned_s:
+                push.stats.returned_s = time.perf_counter() - t0
+            log.info("sent %s", push.stats)
+            return push.stats
+
+        def stuck() -> str:
+            since = conn.comm.in_call_since
+            if since and time.monotonic() - since > push.timeout_s:
+                self.broken = self.broken or "an NCCL call did not return"
+                return (f"an NCCL call did not return within {push.timeout_s}s (a peer is "
+                        "gone while a connection was being set up)")
+            return ""
+
+        self._pending = PendingSend(work, name=name, stuck=stuck)
+        return self._pending
+
+    def _join_pending(self) -> None:
+        """At most one push in flight: wait for the one before (its own deadlines
+        bound the wait); its failure, if any, leaves the sender broken. A push
+        thread abandoned inside NCCL keeps its communicator: it is never freed
+        under it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except SendError:
+            pass  # reported by its own handle; the sender is broken now
+        if not pending.wait_stopped(0):
+            self._orphans.append(pending)
+
+    def _free_connection(self, shutdown_servers: bool) -> None:
+        """Shut the servers' engines down and free the communicator, unless a
+        push thread still sits inside one of its calls."""
+        alive = any(not p.wait_stopped(0) for p in self._orphans)
+        self.connection.close(shutdown_servers=shutdown_servers, free_comm=not alive)
+
+    def _ensure_usable(self) -> None:
+        if self.broken:
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+
+    def _fail(self, exc: BaseException, conn: Connection) -> None:
+        """On the push thread, which owns the communicator: abort it."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        conn.comm.abort(f"send failed: {type(exc).__name__}")
+        self._forget()
+
+    def _forget(self) -> None:
+        """What the workers hold is unknown now (a failed push, a new group):
+        the next push sends its metadata again."""
+        self._sent = {}
+
+    # -- lifecycle ------------------------------------------------------
+    def reconnect(self) -> None:
+        """Shut the servers' engines down, mint a new id and form the group again,
+        with the same settings (``config.reconnect_timeout_s`` for init). In a
+        group, every process calls it together."""
+        self._join_pending()
+        self._drop_broadcaster()
+        if self.connection is not None:
+            self._free_connection(shutdown_servers=True)
+        self._forget()
+        self.connection = self.route.form(self.config.reconnect_timeout_s)
+        self.broken = ""
+
+    def close(self) -> None:
+        """Cancel a push in flight, free the streams and slots, shut the servers'
+        engines down, free the communicator, close the HTTP clients."""
+        pending = self._pending
+        if pending is not None and not pending.done():
+            pending.cancel("close()")
+            pending.wait_stopped(5.0)
+        self._join_pending()
+        self._drop_broadcaster()
+        if self.connection is not None:
+            # A broken session's server may be stuck; its engine is shut down on reconnect.
+            self._free_connection(shutdown_servers=not self.broken)
+        for client in getattr(self.route, "clients", []):
+            client.close()
+
+    def _drop_broadcaster(self) -> None:
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
