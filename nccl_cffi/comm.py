@@ -145,8 +145,16 @@ class Communicator:
                "(vLLM: /init_weight_transfer_engine)")
         if blocking:
             return cls._init_blocking(nranks, uid, rank, device, timeout, check, then, why)
+        with cuda.on_device(device):
+            return cls._init_nonblocking(nranks, uid, rank, device, timeout, check, then, why)
+
+    @classmethod
+    def _init_nonblocking(cls, nranks: int, uid: Any, rank: int, device: int,
+                          timeout: float | None, check: Callable[[], None] | None,
+                          then: Callable[[Communicator, float | None, Callable[[], None]], None]
+                          | None, why: str) -> Communicator:
+        """A non-blocking init (and ``then``), aborted if it fails or stalls."""
         lib = load_library()
-        cuda.use_device(device)
         out = ffi.new("ncclComm_t *")
         deadline = None if timeout is None else time.monotonic() + timeout
         rc = lib.ncclCommInitRankConfig(out, nranks, uid, rank, _config(blocking=False))
@@ -300,16 +308,16 @@ class Communicator:
         if self.blocking or self.get_async_error() != SUCCESS:
             self.abort("destroyed")
             return
-        cuda.use_device(self.device)
         lib = load_library()
-        rc = lib.ncclCommFinalize(self._live())
-        if rc not in (SUCCESS, IN_PROGRESS):
-            self.abort("finalize failed")
-            return
-        try:
-            self._settle("ncclCommFinalize", timeout, "a peer still has work pending")
-        except Exception:
-            return  # already aborted
+        with cuda.on_device(self.device):
+            rc = lib.ncclCommFinalize(self._live())
+            if rc not in (SUCCESS, IN_PROGRESS):
+                self.abort("finalize failed")
+                return
+            try:
+                self._settle("ncclCommFinalize", timeout, "a peer still has work pending")
+            except Exception:
+                return  # already aborted
         with self._lock:
             handle, self._handle = self._handle, None
             self.closed_reason = "destroyed"
@@ -364,11 +372,12 @@ class Communicator:
         sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
         if not 0 <= root < self.nranks:
             raise ValueError(f"root {root} is out of range for {self.nranks} ranks")
-        cuda.use_device(self.device)
-        rc = load_library().ncclBroadcast(
-            ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
-            nccl_type(sbuf.dtype, nccl_version()[1]), root, self._live(), _stream_arg(stream))
-        self._enqueue("ncclBroadcast", rc, timeout)
+        with cuda.on_device(self.device):
+            rc = load_library().ncclBroadcast(
+                ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
+                nccl_type(sbuf.dtype, nccl_version()[1]), root, self._live(),
+                _stream_arg(stream))
+            self._enqueue("ncclBroadcast", rc, timeout)
 
     def launch_broadcast(self, ptr: int, count: int, nccl_dtype: int, root: int,
                          stream: int, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
@@ -393,12 +402,12 @@ class Communicator:
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
-        cuda.use_device(self.device)
-        rc = load_library().ncclAllReduce(
-            ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
-            nccl_type(sbuf.dtype, nccl_version()[1]), _REDUCE_OPS[op], self._live(),
-            _stream_arg(stream))
-        self._enqueue("ncclAllReduce", rc, timeout)
+        with cuda.on_device(self.device):
+            rc = load_library().ncclAllReduce(
+                ffi.cast("void *", sbuf.ptr), ffi.cast("void *", rbuf.ptr), sbuf.count,
+                nccl_type(sbuf.dtype, nccl_version()[1]), _REDUCE_OPS[op], self._live(),
+                _stream_arg(stream))
+            self._enqueue("ncclAllReduce", rc, timeout)
 
     def send(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
              stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
@@ -414,11 +423,11 @@ class Communicator:
              stream: Any, timeout: float | None) -> None:
         b, _ = self._buffers(buf, None, count, dtype, stream)
         self._check_peer(peer)
-        cuda.use_device(self.device)
-        rc = getattr(load_library(), call)(ffi.cast("void *", b.ptr), b.count,
-                                           nccl_type(b.dtype, nccl_version()[1]), peer,
-                                           self._live(), _stream_arg(stream))
-        self._enqueue(call, rc, timeout)
+        with cuda.on_device(self.device):
+            rc = getattr(load_library(), call)(ffi.cast("void *", b.ptr), b.count,
+                                               nccl_type(b.dtype, nccl_version()[1]), peer,
+                                               self._live(), _stream_arg(stream))
+            self._enqueue(call, rc, timeout)
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.nranks or peer == self.rank:
@@ -431,9 +440,9 @@ class Communicator:
         Past ``timeout`` the communicator is aborted (which also releases the
         stuck kernels) and ``NcclTimeoutError`` is raised.
         """
-        cuda.use_device(self.device)
-        event = cuda.Event(self.device).record(0 if stream is None else
-                                               getattr(stream, "handle", stream))
+        with cuda.on_device(self.device):
+            event = cuda.Event(self.device).record(0 if stream is None else
+                                                   getattr(stream, "handle", stream))
         try:
             self.wait_event(event, timeout, what, check)
         finally:

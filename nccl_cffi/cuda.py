@@ -8,9 +8,10 @@ peer died never completes, so every wait here is a query loop with a way out.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 
 from ._ffi import ffi
@@ -74,12 +75,32 @@ def _primary_context(ordinal: int):
 
 
 def use_device(ordinal: int) -> None:
-    """Make ``ordinal``'s primary context current on this thread.
+    """Make ``ordinal``'s primary context current on this thread, for good:
+    for threads this library owns (a push, a blocking init). Calls made on a
+    caller's thread use ``on_device``, which puts the caller's context back.
 
     JAX works in the primary context, and the CUDA runtime inside NCCL takes
     its device from the current context, so this is all "set device" needs.
     """
     _check(_driver().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[None]:
+    """``ordinal``'s primary context current for the block, and the thread's
+    previous one (none, or another device's) current again after it: a
+    library call must not move the caller's thread to another device."""
+    d = _driver()
+    previous = _check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    target = _primary_context(ordinal)
+    if int(previous) == int(target):
+        yield
+        return
+    _check(d.cuCtxSetCurrent(target), "cuCtxSetCurrent")
+    try:
+        yield
+    finally:
+        d.cuCtxSetCurrent(previous)
 
 
 # The calls a push makes per tensor or per chunk, straight into libcuda
@@ -107,10 +128,10 @@ class Stream:
 
     def __init__(self, device: int):
         d = _driver()
-        use_device(device)
         self.device = device
-        self._stream = _check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING),
-                              "cuStreamCreate")
+        with on_device(device):
+            self._stream = _check(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                                  "cuStreamCreate")
         self.handle = int(self._stream)
         self._ptr = _raw()[0].cast("void *", self.handle)
         self._finalizer = weakref.finalize(self, _destroy_stream, device, self._stream)
@@ -124,8 +145,8 @@ class Stream:
 
 
 def _destroy_stream(device: int, stream) -> None:
-    use_device(device)
-    _driver().cuStreamDestroy(stream)
+    with on_device(device):
+        _driver().cuStreamDestroy(stream)
 
 
 class Event:
@@ -136,10 +157,10 @@ class Event:
 
     def __init__(self, device: int, *, timing: bool = False):
         d = _driver()
-        use_device(device)
         flags = d.CUevent_flags.CU_EVENT_DEFAULT if timing else \
             d.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self._event = _check(d.cuEventCreate(flags), "cuEventCreate")
+        with on_device(device):
+            self._event = _check(d.cuEventCreate(flags), "cuEventCreate")
         self._ptr = _raw()[0].cast("void *", int(self._event))
         self._finalizer = weakref.finalize(self, _driver().cuEventDestroy, self._event)
 
@@ -209,12 +230,12 @@ class DeviceMemory:
     """
 
     def __init__(self, nbytes: int, device: int):
-        use_device(device)
         self.device = device
         self.nbytes = nbytes
-        self.ptr = int(_check(_driver().cuMemAlloc(nbytes), "cuMemAlloc"))
-        self._finalizer = weakref.finalize(self, _free_memory, device, self.ptr)
-        _check(_driver().cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
+        with on_device(device):
+            self.ptr = int(_check(_driver().cuMemAlloc(nbytes), "cuMemAlloc"))
+            self._finalizer = weakref.finalize(self, _free_memory, device, self.ptr)
+            _check(_driver().cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
 
     def free(self) -> None:
         self._finalizer()
@@ -222,5 +243,5 @@ class DeviceMemory:
 
 
 def _free_memory(device: int, ptr: int) -> None:
-    use_device(device)
-    _driver().cuMemFree(ptr)
+    with on_device(device):
+        _driver().cuMemFree(ptr)

@@ -16,40 +16,76 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
-    """Init from one id (blocking or not), all_reduce and broadcast of JAX arrays."""
+    """Init from one id (blocking or not), all_reduce and broadcast of JAX arrays,
+    all called from a fresh thread (no current CUDA context) that still has
+    none after every call: the library never moves a caller's thread."""
     import jax.numpy as jnp
     import numpy as np
+    from cuda.bindings import driver
 
     from nccl_cffi import Communicator, cuda, group
     from uniqueid import UniqueId
 
     r = int(rank)
     block = blocking == "1"
-    comm = Communicator.init_rank(2, UniqueId.from_b64(uid_b64).raw, r, 0, blocking=block,
-                                  timeout=120)
-    assert (comm.count(), comm.user_rank(), comm.cu_device()) == (2, r, 0)
-    stream = cuda.Stream(0)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        x = jnp.arange(1000, dtype=dtype) * (r + 1)
-        out = jnp.zeros(1000, dtype).block_until_ready()
-        comm.all_reduce(x, out, stream=stream)
-        comm.wait(stream, 60)
-        assert np.array_equal(np.asarray(out), np.asarray(jnp.arange(1000, dtype=dtype) * 3)), dtype
-        y = (jnp.arange(777, dtype=dtype) + 5) if r == 0 else jnp.zeros(777, dtype)
-        comm.broadcast(y, root=0, stream=stream)
-        comm.wait(stream, 60)
-        assert np.array_equal(np.asarray(y), np.asarray(jnp.arange(777, dtype=dtype) + 5)), dtype
-    # send/recv in a group
+    arrays = {dtype: (jnp.arange(1000, dtype=dtype) * (r + 1),
+                      jnp.zeros(1000, dtype).block_until_ready(),
+                      (jnp.arange(777, dtype=dtype) + 5) if r == 0 else jnp.zeros(777, dtype))
+              for dtype in (jnp.float32, jnp.bfloat16)}
     buf = jnp.full(64, 7 if r == 0 else 0, jnp.int32).block_until_ready()
-    with group(comm):
-        if r == 0:
-            comm.send(buf, peer=1, stream=stream)
-        else:
-            comm.recv(buf, peer=0, stream=stream)
-    comm.wait(stream, 60)
-    assert int(np.asarray(buf).sum()) == 7 * 64
-    comm.destroy()
-    print(f"OK rank {r} blocking={block}")
+    calls = []
+
+    def unchanged(after: str) -> None:
+        err, ctx = driver.cuCtxGetCurrent()
+        assert int(ctx) == 0, f"{after} left a CUDA context current on the caller's thread"
+        calls.append(after)
+
+    def work() -> None:
+        unchanged("nothing")
+        comm = Communicator.init_rank(2, UniqueId.from_b64(uid_b64).raw, r, 0, blocking=block,
+                                      timeout=120)
+        unchanged("init_rank")
+        assert (comm.count(), comm.user_rank(), comm.cu_device()) == (2, r, 0)
+        stream = cuda.Stream(0)
+        unchanged("Stream")
+        for dtype, (x, out, y) in arrays.items():
+            comm.all_reduce(x, out, stream=stream)
+            unchanged("all_reduce")
+            comm.wait(stream, 60)
+            unchanged("wait")
+            assert np.array_equal(np.asarray(out), np.asarray(jnp.arange(1000, dtype=dtype) * 3))
+            comm.broadcast(y, root=0, stream=stream)
+            unchanged("broadcast")
+            comm.wait(stream, 60)
+            assert np.array_equal(np.asarray(y), np.asarray(jnp.arange(777, dtype=dtype) + 5))
+        with group(comm):  # send/recv in a group
+            if r == 0:
+                comm.send(buf, peer=1, stream=stream)
+            else:
+                comm.recv(buf, peer=0, stream=stream)
+        unchanged("send/recv")
+        comm.wait(stream, 60)
+        assert int(np.asarray(buf).sum()) == 7 * 64
+        stream.close()
+        unchanged("Stream.close")
+        comm.destroy()
+        unchanged("destroy")
+
+    failed = []
+    t = threading.Thread(target=lambda: _capture(work, failed))
+    t.start()
+    t.join(200)
+    assert not t.is_alive(), "the pair's thread did not finish"
+    if failed:
+        raise failed[0]
+    print(f"OK rank {r} blocking={block}; no context left current after {len(calls)} calls")
+
+
+def _capture(fn, into: list) -> None:
+    try:
+        fn()
+    except BaseException as e:
+        into.append(e)
 
 
 def init_timeout(seconds: str, blocking: str = "0") -> None:
