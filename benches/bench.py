@@ -188,8 +188,37 @@ def role_seq(urls: str, jobs: str) -> None:
 
 def _config(job: dict):
     from jax_sender import SendConfig
-    return SendConfig(packed=job["mode"] == "packed", buffer_size_bytes=job["buffer"],
-                      num_buffers=job["nbuf"])
+    return SendConfig(packed=job["mode"] in ("packed", "prepacked"),
+                      buffer_size_bytes=job["buffer"], num_buffers=job["nbuf"])
+
+
+def _prepacked_sender(url: str, config):
+    """A sender whose chunks are already packed: each is broadcast from one
+    staging buffer as it is, with no copies and no reads of the arrays. Its
+    push is what vLLM's consumer takes when the sender costs nothing but its
+    launches, a floor for any sender; the workers load garbage."""
+    import jax
+
+    from jax_sender import WeightSender
+    from jax_sender.packer import UINT8, Broadcaster
+    from jax_sender.routes import SingleProcess
+    from uniqueid import as_clients
+
+    class Prepacked(Broadcaster):
+        def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True):
+            self._begin()
+            self.arena.ensure(max(c.nbytes for c in chunks))
+            for c in chunks:
+                self._window(self.num_buffers, timeout, check)
+                self._launch(self.arena.ptr, c.nbytes, UINT8, root, c.nbytes, [], timeout,
+                             check)
+            self.drain(timeout, check)
+
+    dev = jax.devices()[0]
+    route = SingleProcess(as_clients(url), dev.local_hardware_id, config)
+    return WeightSender(route.form(config.init_timeout_s), route, config=config, device=dev,
+                        broadcaster=lambda conn: Prepacked(conn.comm, dev, config.buffer_size_bytes,
+                                                           config.num_buffers))
 
 
 def role_jax(url: str, jobs: str) -> None:
@@ -206,11 +235,12 @@ def role_jax(url: str, jobs: str) -> None:
             pairs = None  # free the previous workload first
             pairs = _workload_pairs(job["workload"])
             current = job["workload"]
-        if _config(job) != geometry:  # a new geometry is a new group (and frees the slots)
+        if (job["mode"], _config(job)) != geometry:  # a new group (and frees the slots)
             if sender is not None:
                 sender.close()
-            geometry = _config(job)
-            sender = WeightSender.connect(servers, config=geometry)
+            geometry = (job["mode"], _config(job))
+            sender = (_prepacked_sender(servers, geometry[1]) if job["mode"] == "prepacked"
+                      else WeightSender.connect(servers, config=geometry[1]))
         base = dev.memory_stats()["bytes_in_use"]
         stats, wall = [], []
         for _ in range(job["reps"] + 1):
@@ -254,21 +284,18 @@ def role_sparse(url: str, fractions: str, reps: str, name: str = "qwen3-8b") -> 
     sender.close()
 
 
-def role_train(url: str, steps: str) -> None:
+def _trainer():
     """A Flax decoder's training step (forward, backward, SGD; the old
-    parameters donated) on GPU 0, pushing to the server after every step:
-    no push, the blocking push, the asynchronous push."""
+    parameters donated), its parameters and a batch: the same in every process."""
     import functools
 
     import jax
     import jax.numpy as jnp
 
-    from jax_sender import LLAMA, WeightSender
     from jax_sender.demo.model import Config, Decoder, init_params
     cfg = Config(vocab=32000, hidden=2048, intermediate=5632, layers=8, heads=16, kv_heads=4,
                  head_dim=128)
     model = Decoder(cfg)
-    params = init_params(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 513), 0, cfg.vocab)
 
     def loss(p, t):
@@ -280,37 +307,96 @@ def role_train(url: str, steps: str) -> None:
         value, grads = jax.value_and_grad(loss)(p, t)
         return jax.tree_util.tree_map(lambda a, g: (a - 1e-4 * g).astype(a.dtype), p, grads), value
 
+    return init_params(cfg), step, tokens
+
+
+def _train_loop(params, step, tokens, n: int, push) -> tuple[list[float], list[float], list]:
+    """``n + 2`` steps, ``push(params)`` after each; per step (the first two
+    dropped): its wall time, the time ``push`` held the trainer, what it returned."""
+    walls, blocked, pushes = [], [], []
+    for _i in range(n + 2):
+        t = time.perf_counter()
+        params, value = step(params, tokens)
+        value.block_until_ready()
+        if push is not None:
+            s0 = time.perf_counter()
+            pushes.append(push(params))
+            blocked.append(time.perf_counter() - s0)
+        walls.append(time.perf_counter() - t)
+    return params, walls[2:], blocked[2:], pushes[2:]
+
+
+def role_train(url: str, steps: str) -> None:
+    """The training step on GPU 0 pushing to the server after every step: no
+    push, the blocking push, the asynchronous push, and the asynchronous
+    push's snapshot alone (the same copies, no broadcast), which splits what
+    it adds to a step into the copy and the broadcast beside the step."""
+    import jax
+
+    from jax_sender import LLAMA, WeightSender
+    params, step, tokens = _trainer()
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     sender = WeightSender.connect(url, mapping=LLAMA)
     n = int(steps)
-    for mode in ("none", "blocking", "async", "none"):
-        walls, blocked, pushes = [], [], []
-        for _i in range(n + 2):
-            t = time.perf_counter()
-            params, value = step(params, tokens)
-            value.block_until_ready()
-            if mode != "none":
-                s0 = time.perf_counter()
-                out = sender.send(params, wait=mode == "blocking")
-                blocked.append(time.perf_counter() - s0)
-                pushes.append(out)
-            walls.append(time.perf_counter() - t)
-        if mode == "async":
-            stats = [p.result() for p in pushes]
-        else:
-            stats = pushes
-        _emit(dict(mode=mode, step=walls[2:], blocked=blocked[2:],
-                   transfer=[x.transfer_s for x in stats[2:]], bytes=nbytes,
+    held = []
+
+    def snapshot(p) -> None:
+        """What ``send(wait=False)`` dispatches before it returns, and nothing
+        else; kept until the next one, as a push in flight keeps its own."""
+        held[:] = [sender._snapshot(*sender.prepare(p))]
+
+    pushes = {"none": None, "blocking": lambda p: sender.send(p),
+              "async": lambda p: sender.send(p, wait=False), "snapshot": snapshot}
+    for mode in ("none", "blocking", "async", "snapshot", "none"):
+        params, walls, blocked, out = _train_loop(params, step, tokens, n, pushes[mode])
+        stats = {"blocking": out, "async": [p.result() for p in out]}.get(mode, [])
+        _emit(dict(mode=mode, step=walls, blocked=blocked,
+                   transfer=[x.transfer_s for x in stats], bytes=nbytes,
                    tensors=len(jax.tree_util.tree_leaves(params))))
     sender.close()
 
 
-def role_torch(url: str, jobs: str) -> None:
-    """vLLM 0.33.0's own trainer engine (torch), same workloads, same server."""
-    from functools import cached_property
+def role_train_torch(url: str, steps: str) -> None:
+    """The same training loop pushing with vLLM's own torch sender, as a JAX
+    trainer that imports torch would: the LLAMA names and transforms in one
+    jitted call, the results handed to torch by DLPack (no copy), then the
+    engine's blocking ``send_weights()`` (packed, 1 GiB x 2)."""
+    import jax
 
+    from jax_sender import LLAMA, named_arrays
+    params, step, tokens = _trainer()
     _vllm_path()
     import torch
+    torch.cuda.set_device(0)
+    names = [(name, path) for name, path, _ in named_arrays(params, LLAMA)]
+    transform = jax.jit(lambda xs: [LLAMA.transform(path, x) for (_, path), x in zip(names, xs)])
+
+    def torch_pairs(p) -> list:
+        out = jax.block_until_ready(transform([a for _, _, a in named_arrays(p, LLAMA)]))
+        return [(name, torch.from_dlpack(x)) for (name, _), x in zip(names, out)]
+
+    engine, client, source = _torch_engine(url, torch_pairs(params), True, GiB, 2)
+    source.pairs = []
+
+    def push(p) -> None:
+        source.pairs = torch_pairs(p)
+        engine.send_weights()
+        source.pairs = []  # the trainer may donate these buffers now
+
+    n = int(steps)
+    params, walls, blocked, _ = _train_loop(params, step, tokens, n, push)
+    engine.shutdown()
+    client.http.shutdown_weight_transfer_engine()
+    _emit(dict(mode="torch", step=walls, blocked=blocked, transfer=client.spans[-n:],
+               bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
+               tensors=len(names)))
+
+
+def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int):
+    """vLLM 0.33.0's own trainer engine (torch) joined to the server at ``url``,
+    its source ``pairs`` of (name, torch tensor) (replace ``source.pairs`` to
+    push other tensors), and an HTTP client that times its calls."""
+    _vllm_path()
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import (
         NCCLTrainerInitInfo,
@@ -319,13 +405,12 @@ def role_torch(url: str, jobs: str) -> None:
 
     from jax_sender.testing.harness import free_port
     from uniqueid import VLLMClient
-    torch.cuda.set_device(0)
 
     class Source(WeightSource):
         def __init__(self, pairs):
             self.pairs = pairs
 
-        @cached_property
+        @property
         def metadata(self):
             return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pairs]
 
@@ -359,6 +444,20 @@ def role_torch(url: str, jobs: str) -> None:
             self.http.finish_weight_update(weight_version)
             self.finishes.append(time.perf_counter() - t)
 
+    client, source = TimedClient(), Source(pairs)
+    engine = NCCLTrainerWeightTransferEngine.trainer_init(
+        NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                            world_size=2, packed=packed, packed_buffer_size_bytes=buffer,
+                            packed_num_buffers=nbuf),
+        client=client, source=source)
+    return engine, client, source
+
+
+def role_torch(url: str, jobs: str) -> None:
+    """vLLM 0.33.0's own trainer engine (torch), same workloads, same server."""
+    _vllm_path()
+    import torch
+    torch.cuda.set_device(0)
     pairs, current = None, None
     for job in json.loads(jobs):
         if job["workload"] != current:
@@ -367,14 +466,8 @@ def role_torch(url: str, jobs: str) -> None:
             pairs = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
                      for n, s in workload(job["workload"])]
             current = job["workload"]
-        port = free_port()
-        client = TimedClient()
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(
-            NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=port, world_size=2,
-                                packed=job["mode"] == "packed",
-                                packed_buffer_size_bytes=job["buffer"],
-                                packed_num_buffers=job["nbuf"]),
-            client=client, source=Source(pairs))
+        engine, client, _ = _torch_engine(url, pairs, job["mode"] == "packed", job["buffer"],
+                                          job["nbuf"])
         totals = []
         for _ in range(job["reps"] + 1):
             t = time.perf_counter()
@@ -510,6 +603,9 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
         def train() -> None:
             with _server("1", vllm) as url:
                 data["train"] = _one("role_train", url, "20")
+                save()
+                if vllm:
+                    data["train"] += _one("role_train_torch", url, "20")
         _stage(data, "train", train)
         save()
     save()
@@ -575,8 +671,10 @@ def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
     extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
+    floors = [_job("qwen3-8b", "prepacked", reps)] + (
+        [] if quick else [_job("many-small", "prepacked", reps)])
     with _server("1", vllm) as url:
-        data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra))
+        data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra + floors))
         save()
         if vllm:
             try:
@@ -679,19 +777,28 @@ def _train_report(data: dict) -> list[str]:
              f"{len(rows['none']['step'])} steps.", "",
              "| push | step ms | added to a step ms | trainer blocked ms | push's transfer ms |",
              "| --- | --- | --- | --- | --- |"]
-    for mode, label in (("none", "none"), ("blocking", "blocking `send()`"),
-                        ("async", "`send(wait=False)`")):
+    labels = (("none", "none"), ("blocking", "blocking `send()`"),
+              ("torch", "vLLM's torch sender, blocking `send_weights()`"),
+              ("async", "`send(wait=False)`"),
+              ("snapshot", "its snapshot alone (the same copies, no broadcast)"))
+    for mode, label in labels:
         j = rows.get(mode)
         if j is None:
             continue
         step = statistics.median(j["step"])
         lines.append(f"| {label} | {step * 1e3:.2f} | {(step - none) * 1e3:.2f} | "
-                     + (f"{_ms(j['blocked'])} | {_ms(j['transfer'])} |" if j["blocked"]
-                        else "0 | |"))
+                     + (f"{_ms(j['blocked'])} | " if j["blocked"] else "0 | ")
+                     + (f"{_ms(j['transfer'])} |" if j["transfer"] else " |"))
+    add = lambda m: statistics.median(rows[m]["step"]) - none  # noqa: E731
     if "blocking" in rows and "async" in rows:
-        add = lambda m: statistics.median(rows[m]["step"]) - none  # noqa: E731
         lines += ["", f"The asynchronous push adds {add('async') / add('blocking'):.2f} x what "
                   "the blocking push adds to a step."]
+    if "async" in rows and "snapshot" in rows:
+        lines += [f"Of the {add('async') * 1e3:.2f} ms it adds, its snapshot (dispatch and "
+                  f"copy) is {add('snapshot') * 1e3:.2f} ms; the other "
+                  f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the broadcast (and the "
+                  "push thread) beside the training step, which shares the GPU's SMs and "
+                  "memory bandwidth with it."]
     return lines
 
 
@@ -746,10 +853,12 @@ def _dense_report(data: dict, raw: float) -> list[str]:
              "| figure | median s | best s | median GB/s | ratio | notes |",
              "| --- | --- | --- | --- | --- | --- |"]
     torch_rows = {(j["workload"], j["mode"]): j for j in data.get("torch", [])}
+    floors = {j["workload"]: j for j in data["ours"] if j["mode"] == "prepacked"}
     for j in data["ours"]:
         default = (j["buffer"], j["nbuf"]) == (GiB, 2)
-        if (j["workload"] == "qwen3-8b" and not default) or j["workload"] == "tiny":
-            continue  # in the sweep table, or the fixed-cost one
+        if ((j["workload"] == "qwen3-8b" and not default) or j["workload"] == "tiny"
+                or j["mode"] == "prepacked"):
+            continue  # in the sweep table, the fixed-cost one, or under its push
         label = f"{j['mode']} send {j['workload']} -> {target}"
         note = (f"{j['tensors']} tensors, {j['chunks']} "
                 f"{'chunks' if j['mode'] == 'packed' else 'broadcasts'}; "
@@ -772,6 +881,14 @@ def _dense_report(data: dict, raw: float) -> list[str]:
             theirs = t["bytes"] / statistics.median(t["transfer"]) / 1e9
             lines.append(_row("  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
                               f"ratio to raw; ours / torch = {ours / theirs:.2f}"))
+        f = floors.get(j["workload"]) if j["mode"] == "packed" else None
+        if f:
+            floor = statistics.median(f["transfer"])
+            note = f"time / floor: ours {statistics.median(j['transfer']) / floor:.2f}"
+            if t:
+                note += f", torch {statistics.median(t['transfer']) / floor:.2f}"
+            lines.append(_row("  floor: chunks already packed, no sender work", f["bytes"],
+                              f["transfer"], raw, note + "; ratio to raw"))
     init = data["init"]
     lines += ["", "| init + warm-up, 2 ranks, no HTTP | median ms | best ms | ratio |",
               "| --- | --- | --- | --- |"]

@@ -559,6 +559,45 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def failed_sends(count: str) -> None:
+    """``count`` sends that the worker refuses, each followed by ``reconnect()``
+    (a new communicator, new streams, events and slots): threads, file
+    descriptors, JAX's device bytes and the device's free memory (which
+    counts NCCL's own buffers) stay flat; a last send is bit-exact."""
+    import jax
+    from cuda.bindings import driver
+
+    from jax_sender import SendConfig, WeightSender
+    from jax_sender.testing.harness import ReferenceServer
+    n = int(count)
+    dev = jax.devices()[0]
+    pairs = _test_tensors(4)
+    with ReferenceServer(["1"], refuse_updates=n) as url:
+        sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20,
+                                                             send_timeout_s=60.0))
+        seen = []
+        for i in range(n):
+            _expect_send_error(sender, pairs, 30)
+            sender.reconnect()
+            free = driver.cuMemGetInfo()[1]
+            seen.append((threading.active_count(), len(os.listdir("/proc/self/fd")),
+                         dev.memory_stats()["bytes_in_use"], free))
+            if i == 0:
+                print(f"after the first: threads, fds, JAX bytes, device free = {seen[0]}")
+        sender.send(pairs, weight_version="after")
+        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        assert ans["match"], ans["mismatches"][:5]
+        sender.close()
+    settled = min(10, n - 1)  # after pools and caches have warmed up
+    (t0, f0, m0, free0), (t1, f1, m1, free1) = seen[settled], seen[-1]
+    assert t1 <= t0 and f1 <= f0 + 2, (seen[settled], seen[-1])
+    assert m1 - m0 <= 1 << 20, (m0, m1)
+    assert free0 - free1 <= 64 << 20, (free0, free1)
+    print(f"OK {n} refused sends + reconnects: after {settled + 1}: threads {t0}, fds {f0}, "
+          f"JAX bytes {m0}, device free {free0 / 2**30:.3f} GiB; after {n}: threads {t1}, "
+          f"fds {f1}, JAX bytes {m1}, device free {free1 / 2**30:.3f} GiB; last send bit-exact")
+
+
 def many_sends(url: str, mode: str, count: str) -> None:
     """``count`` sends of a ~100 MB model, each checked bit-exact; memory stays flat."""
     import jax

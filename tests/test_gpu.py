@@ -141,6 +141,10 @@ def test_200_sends_exact_and_memory_flat():
         print(run("many_sends", url, "packed", "200", timeout=580))
 
 
+def test_100_failed_sends_and_reconnects_leak_nothing():
+    print(run("failed_sends", "100", timeout=580))
+
+
 def test_load_plan_subsets_pass_and_strangers_are_refused():
     with ReferenceServer(["1"]) as url:
         print(run("load_plan", url, timeout=180))
