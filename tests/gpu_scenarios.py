@@ -48,16 +48,14 @@ def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
         assert (comm.count(), comm.user_rank(), comm.cu_device()) == (2, r, 0)
         stream = cuda.Stream(0)
         unchanged("Stream")
-        for dtype, (x, out, y) in arrays.items():
+        for x, out, y in arrays.values():
             comm.all_reduce(x, out, stream=stream)
             unchanged("all_reduce")
             comm.wait(stream, 60)
             unchanged("wait")
-            assert np.array_equal(np.asarray(out), np.asarray(jnp.arange(1000, dtype=dtype) * 3))
             comm.broadcast(y, root=0, stream=stream)
             unchanged("broadcast")
             comm.wait(stream, 60)
-            assert np.array_equal(np.asarray(y), np.asarray(jnp.arange(777, dtype=dtype) + 5))
         with group(comm):  # send/recv in a group
             if r == 0:
                 comm.send(buf, peer=1, stream=stream)
@@ -65,7 +63,6 @@ def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
                 comm.recv(buf, peer=0, stream=stream)
         unchanged("send/recv")
         comm.wait(stream, 60)
-        assert int(np.asarray(buf).sum()) == 7 * 64
         stream.close()
         unchanged("Stream.close")
         comm.destroy()
@@ -78,6 +75,11 @@ def nccl_pair(rank: str, uid_b64: str, blocking: str) -> None:
     assert not t.is_alive(), "the pair's thread did not finish"
     if failed:
         raise failed[0]
+    # Checked here: JAX's own reads may leave a context current on the thread they run on.
+    for dtype, (_, out, y) in arrays.items():
+        assert np.array_equal(np.asarray(out), np.asarray(jnp.arange(1000, dtype=dtype) * 3))
+        assert np.array_equal(np.asarray(y), np.asarray(jnp.arange(777, dtype=dtype) + 5))
+    assert int(np.asarray(buf).sum()) == 7 * 64
     print(f"OK rank {r} blocking={block}; no context left current after {len(calls)} calls")
 
 
