@@ -496,7 +496,8 @@ def group(*comms: Communicator, timeout: float | None = DEFAULT_OP_TIMEOUT) -> I
         yield
     finally:
         _group_depth.n -= 1
-        rc = lib.ncclGroupEnd()
+        with cuda.kept_context():  # the end launches, on the communicators' device
+            rc = lib.ncclGroupEnd()
     if rc not in (SUCCESS, IN_PROGRESS):
         err = make_error(rc, "ncclGroupEnd")
         for c in comms:

@@ -86,21 +86,27 @@ def use_device(ordinal: int) -> None:
 
 
 @contextlib.contextmanager
-def on_device(ordinal: int) -> Iterator[None]:
-    """``ordinal``'s primary context current for the block, and the thread's
-    previous one (none, or another device's) current again after it: a
-    library call must not move the caller's thread to another device."""
+def kept_context() -> Iterator[None]:
+    """The thread's current context (none, or a device's) is current again
+    after the block, whatever the block made current: a library call must not
+    move the caller's thread to another device (NCCL's group end, for one,
+    sets its communicators' device)."""
     d = _driver()
     previous = _check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    target = _primary_context(ordinal)
-    if int(previous) == int(target):
-        yield
-        return
-    _check(d.cuCtxSetCurrent(target), "cuCtxSetCurrent")
     try:
         yield
     finally:
-        d.cuCtxSetCurrent(previous)
+        if int(_check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")) != int(previous):
+            d.cuCtxSetCurrent(previous)
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[None]:
+    """``ordinal``'s primary context current for the block, and the thread's
+    previous one current again after it (see ``kept_context``)."""
+    with kept_context():
+        _check(_driver().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
+        yield
 
 
 # The calls a push makes per tensor or per chunk, straight into libcuda
