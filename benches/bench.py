@@ -349,7 +349,8 @@ def role_train(url: str, steps: str) -> None:
               "async": lambda p: sender.send(p, wait=False), "snapshot": snapshot}
     for mode in ("none", "blocking", "async", "snapshot", "none"):
         params, walls, blocked, out = _train_loop(params, step, tokens, n, pushes[mode])
-        stats = {"blocking": out, "async": [p.result() for p in out]}.get(mode, [])
+        stats = ([p.result() for p in out] if mode == "async" else out if mode == "blocking"
+                 else [])
         _emit(dict(mode=mode, step=walls, blocked=blocked,
                    transfer=[x.transfer_s for x in stats], bytes=nbytes,
                    tensors=len(jax.tree_util.tree_leaves(params))))
@@ -376,6 +377,7 @@ def role_train_torch(url: str, steps: str) -> None:
         return [(name, torch.from_dlpack(x)) for (name, _), x in zip(names, out)]
 
     engine, client, source = _torch_engine(url, torch_pairs(params), True, GiB, 2)
+    assert source.metadata  # read once, from these pairs; the buffers may go now
     source.pairs = []
 
     def push(p) -> None:
@@ -395,7 +397,10 @@ def role_train_torch(url: str, steps: str) -> None:
 def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int):
     """vLLM 0.33.0's own trainer engine (torch) joined to the server at ``url``,
     its source ``pairs`` of (name, torch tensor) (replace ``source.pairs`` to
-    push other tensors), and an HTTP client that times its calls."""
+    push others of the same names, shapes and dtypes), and an HTTP client
+    that times its calls."""
+    from functools import cached_property
+
     _vllm_path()
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import (
@@ -410,7 +415,7 @@ def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int):
         def __init__(self, pairs):
             self.pairs = pairs
 
-        @property
+        @cached_property  # vLLM requires it: its engines read it repeatedly
         def metadata(self):
             return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pairs]
 
@@ -788,7 +793,7 @@ def _train_report(data: dict) -> list[str]:
         step = statistics.median(j["step"])
         lines.append(f"| {label} | {step * 1e3:.2f} | {(step - none) * 1e3:.2f} | "
                      + (f"{_ms(j['blocked'])} | " if j["blocked"] else "0 | ")
-                     + (f"{_ms(j['transfer'])} |" if j["transfer"] else " |"))
+                     + (f"{_ms(j['transfer'])} |" if j["transfer"] else "|"))
     add = lambda m: statistics.median(rows[m]["step"]) - none  # noqa: E731
     if "blocking" in rows and "async" in rows:
         lines += ["", f"The asynchronous push adds {add('async') / add('blocking'):.2f} x what "

@@ -293,7 +293,8 @@ class Communicator:
             if handle is None:
                 return
             self.closed_reason = reason
-        load_library().ncclCommAbort(handle)
+        with cuda.kept_context():  # NCCL sets the communicator's device
+            load_library().ncclCommAbort(handle)
 
     def destroy(self, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
         """Free the communicator; every wait on it has already returned.
@@ -322,7 +323,8 @@ class Communicator:
             handle, self._handle = self._handle, None
             self.closed_reason = "destroyed"
         if handle is not None:
-            lib.ncclCommDestroy(handle)
+            with cuda.kept_context():
+                lib.ncclCommDestroy(handle)
 
     finalize = destroy
 

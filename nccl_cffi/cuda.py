@@ -91,7 +91,11 @@ def kept_context() -> Iterator[None]:
     after the block, whatever the block made current: a library call must not
     move the caller's thread to another device (NCCL's group end, for one,
     sets its communicators' device)."""
-    d = _driver()
+    try:
+        d = _driver()
+    except CudaError:  # no driver: no context to keep (and an abort must still run)
+        yield
+        return
     previous = _check(d.cuCtxGetCurrent(), "cuCtxGetCurrent")
     try:
         yield
