@@ -19,16 +19,18 @@ import threading
 import time
 from hashlib import sha256
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import jax
 import numpy as np
 from recorder import answer
 
-from jax_sender import SendConfig, WeightSender
+from jax_sender import SendConfig, SparseSender, WeightSender
+from jax_sender.base import BaseSender
 from jax_sender.plan import TensorMeta, plan_chunks
-from jax_sender.sender import SingleProcess
+from jax_sender.routes import SingleProcess
 from nccl_cffi.dtypes import numpy_dtype
-from uniqueid import Connection, InitInfo, UniqueId, UpdateInfo, VLLMClient
+from uniqueid import Connection, InitInfo, SparseUpdateInfo, UniqueId, UpdateInfo, VLLMClient
 
 
 class MemoryComm:
@@ -93,10 +95,11 @@ class MemoryBroadcaster:
 
 class MemoryServer:
     """vLLM's update routes over the wire; ``fail`` maps a path to an HTTP
-    status it answers with instead (vLLM's error shape)."""
+    status it answers with instead (vLLM's error shape). ``sparse``: the
+    ``sparse_nccl`` backend (patches: int32 flat indices, then values)."""
 
-    def __init__(self, wire: queue.Queue, info: InitInfo):
-        self.wire, self.info = wire, info
+    def __init__(self, wire: queue.Queue, info: InitInfo, sparse: bool = False):
+        self.wire, self.info, self.sparse = wire, info, sparse
         self.fail: dict[str, int] = {}
         self.log: list[tuple[str, float, float]] = []  # (path, arrived, answered)
         self.store: dict[str, np.ndarray] = {}
@@ -130,7 +133,7 @@ class MemoryServer:
     def route(self, path: str, body) -> tuple[int, dict]:
         if path in self.fail:
             if path == "/update_weights" and self.active:  # like a load_weights that raises:
-                self.receive(UpdateInfo.from_payload(body["update_info"]))  # after the bytes,
+                self.update(body["update_info"])  # after the bytes,
                 self.active = False  # and vLLM drops the session
             return self.fail[path], {"error": {"message": f"injected failure of {path}",
                                                "type": "InternalServerError", "code": 500}}
@@ -142,7 +145,7 @@ class MemoryServer:
             if not self.active:
                 return 500, {"error": {"message": "start_weight_update must be called first"}}
             try:
-                self.receive(UpdateInfo.from_payload(body["update_info"]))
+                self.update(body["update_info"])
             except Exception as e:
                 self.active = False
                 return 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
@@ -154,6 +157,12 @@ class MemoryServer:
             return 200, {"checksums": {f"dp0:pp0:pcp0:tp0:{name}": sha256(a.tobytes()).hexdigest()
                                        for name, a in self.store.items()}}
         return 200, {"message": "ok"}
+
+    def update(self, payload: dict) -> None:
+        if self.sparse:
+            self.receive_sparse(SparseUpdateInfo.from_payload(payload))
+        else:
+            self.receive(UpdateInfo.from_payload(payload))
 
     def receive(self, update: UpdateInfo) -> None:
         if not update.names:
@@ -170,6 +179,19 @@ class MemoryServer:
             for m in metas:
                 self._load(m, self._take(m.nbytes, update.src))
 
+    def receive_sparse(self, update: SparseUpdateInfo) -> None:
+        """Per tensor, in vLLM's order: its indices, then its values; each patch
+        applied to what is held (zeros if nothing yet)."""
+        for name, dt, shape, n in zip(update.names, update.dtype_names, update.shapes,
+                                      update.num_updates_list):
+            indices = np.frombuffer(self._take(4 * n, 0), np.int32)
+            values = np.frombuffer(self._take(n * np.dtype(numpy_dtype(dt)).itemsize, 0),
+                                   numpy_dtype(dt))
+            held = self.store.get(name)
+            out = (np.zeros(shape, numpy_dtype(dt)) if held is None else held).copy()
+            out.reshape(-1)[indices] = values
+            self.store[name] = out
+
     def _take(self, nbytes: int, src: int) -> bytes:
         root, data, taken = self.wire.get(timeout=10)
         taken.set()
@@ -185,24 +207,25 @@ class MemoryServer:
 
 
 def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1,
-                  delay_s: float = 0.0, **kwargs) -> tuple[WeightSender, list[MemoryServer],
-                                                           MemoryBroadcaster]:
-    """A sender on JAX's first CPU device, joined to ``servers`` memory servers
-    that one broadcast feeds (like one NCCL group), as ``connect`` builds it."""
+                  delay_s: float = 0.0, kind: type[BaseSender] = WeightSender,
+                  **kwargs) -> tuple[Any, list[MemoryServer], MemoryBroadcaster]:
+    """A sender (``kind``) on JAX's first CPU device, joined to ``servers``
+    memory servers that one broadcast feeds (like one NCCL group), as
+    ``connect`` builds it; a ``SparseSender``'s servers run ``sparse_nccl``."""
     wires = [queue.Queue() for _ in range(servers)]
     uid = UniqueId.mint()
     infos = [InitInfo(nccl_unique_id_b64=uid.to_b64(), rank_offset=1 + i,
                       world_size=1 + servers, packed=config.packed,
                       packed_buffer_size_bytes=config.buffer_size_bytes,
                       packed_num_buffers=config.num_buffers) for i in range(servers)]
-    hosts = [MemoryServer(w, i) for w, i in zip(wires, infos)]
+    hosts = [MemoryServer(w, i, sparse=kind is SparseSender) for w, i in zip(wires, infos)]
     clients = [VLLMClient(h.url, read_timeout=20) for h in hosts]
     route = MemoryRoute(clients, 0, config, infos=infos)
     conn = route.form(config.init_timeout_s)
     tee = _Tee(wires)
     caster = MemoryBroadcaster(tee, delay_s)
-    sender = WeightSender(conn, route, config=config, device=jax.devices("cpu")[0],
-                          broadcaster=lambda _: caster, **kwargs)
+    sender = kind(conn, route, config=config, device=jax.devices("cpu")[0],
+                  broadcaster=lambda _: caster, **kwargs)
     return sender, hosts, caster
 
 

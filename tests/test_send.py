@@ -16,6 +16,7 @@ from jax_sender import (
     PendingSend,
     SendConfig,
     SendError,
+    SparseSender,
     TensorMeta,
     describe,
 )
@@ -234,3 +235,38 @@ def test_every_packages_errors_pickle_with_their_cause_text():
                       (GatherTimeout("gather"), TransferError)):
         again = pickle.loads(pickle.dumps(err))
         assert type(again) is type(err) and str(again) == str(err) and isinstance(again, root)
+
+
+def test_a_sparse_push_sends_only_what_changed_and_lands_bit_exact():
+    """``SparseSender`` over the same core: patches against what the workers
+    hold, exact; what vLLM's sparse loader would refuse is refused before any
+    HTTP call; a failed push breaks it like any sender, and reconnect() mends it."""
+    sender, (server,), caster = memory_sender(SendConfig(packed=False), kind=SparseSender)
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    v0 = {"w": jax.random.normal(k[0], (64, 64), jnp.bfloat16),
+          "b": jax.random.normal(k[1], (100,), jnp.float32), "s": jnp.float16(2.5)}
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, v0)
+    first = sender.send(v0, zeros)  # the server starts from zeros
+    assert held(server) == expected(v0) and first.tensors == 3
+    v1 = dict(v0, w=v0["w"].at[3, 5].set(7.0).at[60, 1].set(-0.0))  # two elements, one a signed zero
+    second = sender.send(v1, v0)
+    assert held(server) == expected(v1)
+    # per tensor two broadcasts (indices, values), zero-count ones too
+    assert second.chunks == 6 and second.bytes == 2 * (4 + 2)
+    assert server.routes()[-3:] == ["/start_weight_update", "/update_weights",
+                                    "/finish_weight_update"]
+    before = len(server.log)
+    with pytest.raises(MetadataError, match="sparse worker loads only"):
+        sender.send({"i": jnp.arange(3, dtype=jnp.int32)}, {"i": jnp.zeros(3, jnp.int32)})
+    assert len(server.log) == before and not sender.broken
+    server.fail["/update_weights"] = 500
+    with pytest.raises(SendError, match="injected failure of /update_weights"):
+        sender.send(v0, v1)
+    assert sender.broken
+    with pytest.raises(SendError, match="call reconnect"):
+        sender.send(v0, v1)
+    del server.fail["/update_weights"]
+    sender.reconnect()
+    sender.send(v0, v1)
+    assert held(server) == expected(v0) and not sender.broken
+    sender.close()
