@@ -74,7 +74,7 @@ def _structure(params: Any) -> tuple[Any, list[Any]] | None:
 
 
 @dataclass
-class _Push:
+class PreparedPush:
     """A validated push, ready to run: its rounds and figures."""
 
     rounds: list[Round]
@@ -187,8 +187,8 @@ class BaseSender:
 
         return get, True
 
-    def _start(self, push: _Push, weight_version: str | None, pause: str | None, name: str,
-               t0: float) -> PendingSend:
+    def _start(self, push: PreparedPush, weight_version: str | None, pause: str | None,
+               name: str, t0: float) -> PendingSend:
         """Run ``push`` on its thread; the thread aborts the communicator on failure."""
         conn = self.connection
         if self._broadcaster is None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from uniqueid import UpdateInfo, as_clients
 
-from .base import BaseSender, Servers, _Push, describe
+from .base import BaseSender, PreparedPush, Servers, describe
 from .config import SendConfig
 from .errors import TransferError
 from .group import (
@@ -228,9 +228,9 @@ class WeightSender(BaseSender):
                     b.unpacked(t.metas, mine, t.turn.src, timeout=timeout, check=check)
             return broadcast
 
-        push = _Push([(t.update.to_payload(), broadcast_fn(t)) for t in turns], stats, timeout,
-                     timeout * max(n_chunks, 1) + 60, {t.turn.src: t.metas for t in turns},
-                     prefetch)
+        push = PreparedPush([(t.update.to_payload(), broadcast_fn(t)) for t in turns], stats,
+                            timeout, timeout * max(n_chunks, 1) + 60,
+                            {t.turn.src: t.metas for t in turns}, prefetch)
         stats.prepare_s = time.perf_counter() - t0
         pending = self._start(push, weight_version, pause, "jax-sender-push", t0)
         if snapshot is None and not wait:

@@ -22,7 +22,7 @@ import jax
 from uniqueid import as_clients
 from uniqueid.wire import SparseUpdateInfo
 
-from .base import BaseSender, Servers, _Push, describe
+from .base import BaseSender, PreparedPush, Servers, describe
 from .config import SendConfig
 from .naming import Mapping
 from .plan import TensorMeta, check_against
@@ -107,8 +107,8 @@ class SparseSender(BaseSender):
 
         stats = SendStats(nbytes, len(metas), len(wire), False, False, 0.0)
         # The whole call: every patch at the slow rate, then vLLM's loader.
-        push = _Push([(update.to_payload(), broadcast)], stats, timeout,
-                     self.config.wait_timeout_s(nbytes) + timeout)
+        push = PreparedPush([(update.to_payload(), broadcast)], stats, timeout,
+                            self.config.wait_timeout_s(nbytes) + timeout)
         stats.prepare_s = time.perf_counter() - t0
         stats = self._start(push, weight_version, pause, "jax-sender-sparse", t0).result()
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
