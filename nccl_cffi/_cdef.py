@@ -1,4 +1,4 @@
-"""The subset of ``nccl.h`` (and four calls of ``cuda.h``) this binding declares.
+"""The subset of ``nccl.h`` (and five calls of ``cuda.h``) this binding declares.
 
 Declared by hand rather than parsed from a header so that installing needs no
 CUDA toolkit. Only types whose layout NCCL has kept stable since 2.14 appear
