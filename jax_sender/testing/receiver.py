@@ -22,6 +22,7 @@ from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo, handshake
 
 from ..packer import buffer_pointer
 from ..plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
+from ..routes import jax_device
 from ..sparse import Patch, apply, check_patch
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
@@ -38,8 +39,7 @@ class ReferenceWorker:
     def __init__(self, device: int = 0, *, worker_rank: int = 0,
                  load_weights: LoadWeights | None = None, timeout: float = 600.0):
         self.ordinal = device
-        self.device = next(d for d in jax.local_devices(backend="gpu")
-                           if d.local_hardware_id == device)
+        self.device = jax_device(device)
         self.worker_rank = worker_rank
         self.timeout = timeout
         self.store: dict[str, jax.Array] = {}
