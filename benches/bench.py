@@ -343,7 +343,8 @@ def role_train(url: str, steps: str) -> None:
     def snapshot(p) -> None:
         """What ``send(wait=False)`` dispatches before it returns, and nothing
         else; kept until the next one, as a push in flight keeps its own."""
-        held[:] = [sender._snapshot(*sender.prepare(p))]
+        metas, sources = sender.prepare(p)
+        held[:] = [sender._snapshot(metas, sources, sender._turns_of(metas, sources)[0])]
 
     pushes = {"none": None, "blocking": lambda p: sender.send(p),
               "async": lambda p: sender.send(p, wait=False), "snapshot": snapshot}
@@ -529,8 +530,8 @@ def _uid() -> str:
 def _init_latency(reps: int, vllm: bool) -> dict[str, list[float]]:
     """Both ranks start each round at the same wall-clock instant; a round
     takes as long as its slower rank. Round 0 (library load, CUDA context) is
-    dropped. Rounds are short, so there are twice ``reps`` of them."""
-    reps *= 2
+    dropped. Rounds are short, so there are four times ``reps`` of them."""
+    reps *= 4
     out = {}
     roles = [("ours", "role_init_ours")] + ([("vllm", "role_init_vllm")] if vllm else [])
     for label, role in roles:
@@ -670,8 +671,9 @@ def _servers(data: dict, reps: int, vllm: bool, save) -> None:
 def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
     data["init"] = _init_latency(reps, vllm)
     save()
+    # a 4 KiB push takes ~8 ms, so its row affords ten times the repetitions
     main = [_job("qwen3-8b", "packed", reps), _job("qwen3-8b", "unpacked", reps),
-            _job("tiny", "packed", reps)]
+            _job("tiny", "packed", reps * 10)]
     sweep = [] if quick else [
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]

@@ -207,6 +207,36 @@ class Broadcaster:
             del sources
         self.drain(timeout, check)
 
+    def produced(self, chunks: Sequence[Chunk], make: Get, root: int, *,
+                 timeout: float | None, check: Check) -> None:
+        """Broadcast chunks whose bytes XLA writes (``packing.py``): ``make(k)``
+        returns chunk ``k`` dispatched, not waited for.
+
+        Chunks are made ahead of their broadcast while fewer than
+        ``num_buffers`` are alive (made or in flight), so XLA packs the next
+        chunk while NCCL sends this one, and the extra memory stays within
+        the slots' bound. The host waits once per chunk, for XLA's result.
+        """
+        self._begin()
+        ahead: deque[jax.Array] = deque()
+        made = 0
+        for c in chunks:
+            while made < len(chunks) and len(ahead) + len(self._inflight) < self.num_buffers:
+                ahead.append(make(made))
+                made += 1
+            if not ahead:  # every buffer is in a broadcast: free the oldest first
+                self._retire_oldest(timeout, check)
+                ahead.append(make(made))
+                made += 1
+            arr = ahead.popleft()
+            t = time.perf_counter()
+            cuda.poll_until(arr.is_ready, timeout, check=check, on_timeout=lambda: TimeoutError(
+                f"XLA did not finish packing a chunk within {timeout}s"))
+            self.host_s += time.perf_counter() - t
+            self._launch(buffer_pointer(arr), c.nbytes, UINT8, root, c.nbytes, [arr], timeout,
+                         check)
+        self.drain(timeout, check)
+
     def unpacked(self, metas: Sequence[TensorMeta], get: Get, root: int, *,
                  timeout: float | None, check: Check) -> None:
         """One broadcast per tensor, straight from its JAX buffer, in its own dtype."""

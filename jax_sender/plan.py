@@ -54,6 +54,13 @@ class TensorMeta:
                 f"(supported: {', '.join(WIRE_DTYPES)}); cast it in the transform")
         return cls(name, dt, tuple(int(d) for d in array.shape))
 
+    def check(self, array) -> None:
+        """Raise unless a transform's output ``array`` is what was declared."""
+        got = TensorMeta.of(self.name, array)
+        if got != self:
+            raise MetadataError(f"{self.name!r}: the transform gave {got.dtype} {got.shape}, "
+                                f"but {self.dtype} {self.shape} was declared")
+
 
 @dataclass(frozen=True)
 class Chunk:

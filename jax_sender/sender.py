@@ -46,12 +46,22 @@ from .group import (
     share_from_process_0,
     turn_updates,
 )
-from .naming import Mapping
+from .naming import Mapping, identity
+from .packing import pack_chunk, packable
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import PendingSend, SendStats
 from .routes import ProcessGroup, SingleProcess, sender_device
 
 log = logging.getLogger("jax_sender")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An asynchronous push's private copies: one per chunk of its turn
+    (``chunks``, packed by XLA), or one per tensor."""
+
+    arrays: list[jax.Array]
+    chunks: bool
 
 
 @dataclass(frozen=True)
@@ -126,21 +136,29 @@ class WeightSender(BaseSender):
         return cls(route.form(config.init_timeout_s), route, mapping=mapping, config=config,
                    load_plan=plan)
 
-    def _snapshot(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
-                  ) -> list[jax.Array] | None:
+    def _snapshot(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]],
+                  turn: TurnUpdate) -> Snapshot | None:
         """Private copies of what the push sends, dispatched now, in the
         caller's thread: XLA runs them before anything the trainer dispatches
         next, so a step that donates (and overwrites) the parameters cannot
-        change the bytes in flight. None when they would not fit
-        ``config.staging_bytes`` or the sources need gathering."""
+        change the bytes in flight. Packed, the copies are the chunks
+        themselves (``packing.py``), so the push only broadcasts. None when
+        they would not fit ``config.staging_bytes`` or the sources need
+        gathering."""
         nbytes = sum(m.nbytes for m in metas)
         bound = self.config.staging_bytes
         if (bound is not None and nbytes > bound) or not self._on_device(sources):
             return None
+        transform = self.mapping.transform
+        if self.info.packed and packable(turn.chunks):
+            paths = [sources[i][0] for i in turn.turn.params]
+            arrays = [sources[i][1] for i in turn.turn.params]
+            return Snapshot([pack_chunk(c, turn.metas, paths, arrays, transform)
+                             for c in turn.chunks], chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
-        return _copier(tuple(p for p, _ in sources), self.mapping.transform)(
-            [a for _, a in sources])
+        return Snapshot(_copier(tuple(p for p, _ in sources), transform)(
+            [a for _, a in sources]), chunks=False)
 
     def _turns_of(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
                   ) -> list[TurnUpdate]:
@@ -201,16 +219,31 @@ class WeightSender(BaseSender):
                          timeout)
             stats.prepare_s = stats.returned_s = time.perf_counter() - t0
             return stats
-        snapshot = None if wait else self._snapshot(metas, sources)
+        snapshot = None if wait else self._snapshot(metas, sources, turns[0])
+        transform = self.mapping.transform
+        # With a transform, XLA packs each chunk in one call (``packing.py``).
+        by_xla = (info.packed and snapshot is None and transform is not identity
+                  and self._on_device(sources))
         if snapshot is not None:
-            get, temporaries = snapshot.__getitem__, False
-            prefetch = functools.partial(jax.block_until_ready, snapshot)
+            get, temporaries = snapshot.arrays.__getitem__, False
+            prefetch = functools.partial(jax.block_until_ready, snapshot.arrays)
         else:
             get, temporaries = self._getter(metas, sources)
             prefetch = (functools.partial(jax.block_until_ready, [a for _, a in sources])
                         if not temporaries else (lambda: None))
         rank = self.route.rank
         packed = info.packed
+
+        def chunk_maker(t: TurnUpdate) -> Callable[[int], jax.Array]:
+            paths = [sources[i][0] for i in t.turn.params]
+            arrays = [sources[i][1] for i in t.turn.params]
+
+            def make(k: int) -> jax.Array:
+                c = t.chunks[k]
+                if c.single:  # broadcast from the transform's output, no copy
+                    return self._checked(metas, sources, t.turn.params[c.start])
+                return pack_chunk(c, t.metas, paths, arrays, transform)
+            return make
 
         def broadcast_fn(t: TurnUpdate) -> Callable[[Callable[[], None]], None]:
             def broadcast(check: Callable[[], None]) -> None:
@@ -221,7 +254,12 @@ class WeightSender(BaseSender):
                     return
                 params_ = t.turn.params
                 mine = lambda j: get(params_[j])  # noqa: E731
-                if packed:
+                if snapshot is not None and snapshot.chunks:
+                    b.produced(t.chunks, get, t.turn.src, timeout=timeout, check=check)
+                elif by_xla and packable(t.chunks):
+                    b.produced(t.chunks, chunk_maker(t), t.turn.src, timeout=timeout,
+                               check=check)
+                elif packed:
                     b.packed(t.metas, t.chunks, mine, t.turn.src, timeout=timeout, check=check,
                              temporaries=temporaries)
                 else:

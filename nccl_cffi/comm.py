@@ -21,6 +21,7 @@ communicator when it passes, which also releases the kernels stuck in it.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -213,7 +214,7 @@ class Communicator:
                     if not abandoned.is_set():
                         result.set_exception(e)
 
-        threading.Thread(target=run, name=f"nccl-init-rank{rank}", daemon=True).start()
+        _in_init_thread(run)
         try:
             while True:
                 try:
@@ -467,6 +468,37 @@ class Communicator:
             on_timeout=lambda: self._timeout(
                 what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
         )
+
+
+class _InitThread:
+    """A daemon thread that runs blocking inits, one after another.
+
+    Why kept: ``ncclCommInitRank`` on a thread's first call costs ~13 ms more
+    than on a thread that has made one before (2 x H200, NCCL 2.28.9: 42 ms
+    against 29 ms on the caller's thread), so a fresh thread per init would
+    make every init that much slower than vLLM's. A thread still inside an
+    abandoned init is not reused until that init returns."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="nccl-init", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()  # a job never raises: it reports through its future
+            with _idle_lock:
+                _idle.append(self)
+
+
+_idle: list[_InitThread] = []
+_idle_lock = threading.Lock()
+
+
+def _in_init_thread(job: Callable[[], None]) -> None:
+    """Run ``job`` on an idle init thread, or on a new one (inits may run side by side)."""
+    with _idle_lock:
+        worker = _idle.pop() if _idle else _InitThread()
+    worker.jobs.put(job)
 
 
 def _left(deadline: float | None) -> float | None:

@@ -209,32 +209,45 @@ def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
           f"(bound {bound} B); last: {stats}")
 
 
+def _flax_to_torch(path, x):
+    """A trainer's transform: 2-D arrays transposed, float32 cast to bfloat16."""
+    import jax.numpy as jnp
+    x = x.T if x.ndim == 2 else x
+    return x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+
+
 def async_donation(url: str) -> None:
     """send(wait=False), then at once a step that donates the parameters and
-    overwrites them: the push still delivers them as they were when sent."""
+    overwrites them: the push still delivers them as they were when sent.
+    Then the same through a transform (its chunks packed by XLA), and a
+    blocking push with it."""
     import jax
 
-    from jax_sender import PendingSend, SendConfig, WeightSender
-    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    from jax_sender import Mapping, PendingSend, SendConfig, WeightSender
+    from jax_sender.naming import identity
     step = jax.jit(lambda xs: [(x * 0 + 7).astype(x.dtype) for x in xs], donate_argnums=0)
-    for i in range(3):
-        pairs = _test_tensors(20 + i)
-        want = _checksums(pairs, 1)  # the values as sent
-        t = time.perf_counter()
-        pending = sender.send(pairs, weight_version=f"v{i}", wait=False)
-        returned = time.perf_counter() - t
-        assert isinstance(pending, PendingSend), pending
-        arrays = step([a for _, a in pairs])  # donated: their memory is reused at once
-        assert all(a.is_deleted() for _, a in pairs if a.size)
-        jax.block_until_ready(arrays)
-        stats = pending.result(timeout=120)
-        ans = sender.clients[0].weight_checker("compare", baseline=want)
-        assert ans["match"], ans["mismatches"][:5]
-        del pairs, arrays
-    sender.close()
-    print(f"OK three asynchronous pushes, each followed at once by a donating step, "
-          f"bit-exact; the last returned after {returned * 1e3:.1f} ms, its push took "
-          f"{stats.total_s * 1e3:.1f} ms")
+    for transform in (identity, _flax_to_torch):
+        sender = WeightSender.connect(url, mapping=Mapping(transform=transform),
+                                      config=SendConfig(buffer_size_bytes=1 << 20))
+        for i in range(3):
+            pairs = _test_tensors(20 + i)
+            want = _checksums([(n, transform((n,), a)) for n, a in pairs], 1)  # as sent
+            wait = transform is not identity and i == 2
+            t = time.perf_counter()
+            pending = sender.send(pairs, weight_version=f"v{i}", wait=wait)
+            returned = time.perf_counter() - t
+            assert isinstance(pending, PendingSend) != wait, pending
+            arrays = step([a for _, a in pairs])  # donated: their memory is reused at once
+            assert all(a.is_deleted() for _, a in pairs if a.size)
+            jax.block_until_ready(arrays)
+            stats = pending if wait else pending.result(timeout=120)
+            ans = sender.clients[0].weight_checker("compare", baseline=want)
+            assert ans["match"], (transform.__name__, i, ans["mismatches"][:5])
+            del pairs, arrays
+        sender.close()
+        print(f"OK {transform.__name__}: pushes followed at once by a donating step, "
+              f"bit-exact; the last returned after {returned * 1e3:.1f} ms, its push took "
+              f"{stats.total_s * 1e3:.1f} ms")
 
 
 def vllm_refused(url: str) -> None:

@@ -61,6 +61,7 @@ class MemoryBroadcaster:
         self.link_bytes = 0
         self.closed = False
         self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time issued)
+        self.passes: list[str] = []  # per packed pass: "copies" or "xla" (packed by XLA)
 
     def _put(self, root: int, data: bytes, check) -> None:
         self.started = self.started or time.perf_counter()
@@ -76,8 +77,17 @@ class MemoryBroadcaster:
 
     def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
         self.started = 0.0
+        self.passes.append("copies")
         for c in chunks:
             data = b"".join(np.asarray(get(i)).tobytes() for i in range(c.start, c.stop))
+            assert len(data) == c.nbytes
+            self._put(root, data, check)
+
+    def produced(self, chunks, make, root, *, timeout, check) -> None:
+        self.started = 0.0
+        self.passes.append("xla")
+        for k, c in enumerate(chunks):
+            data = np.asarray(make(k)).tobytes()
             assert len(data) == c.nbytes
             self._put(root, data, check)
 

@@ -142,6 +142,62 @@ def test_an_asynchronous_push_returns_at_once_and_survives_donation():
     assert returned < 0.05 * len(caster.sent) and stats.returned_s < stats.total_s
 
 
+def torch_layout(path, x):
+    """What a Flax trainer's mapping does: kernels transposed, float32 cast to bfloat16."""
+    if path[-1] in ("w", "head"):
+        x = x.T
+    return x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+
+
+def every_dtype(seed: int = 0) -> dict:
+    """One tensor of each wire dtype JAX holds, spread over several chunks of ``SMALL``."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 6)
+    return {"a": {"w": jax.random.normal(k[0], (24, 40), jnp.float32),
+                  "b": jax.random.randint(k[1], (37,), -128, 127, jnp.int8),
+                  "u": jax.random.randint(k[2], (11,), 0, 255, jnp.int32).astype(jnp.uint8)},
+            "f8": jax.random.normal(k[3], (300,), jnp.float32).astype(jnp.float8_e4m3fn),
+            "i": jax.random.randint(k[4], (5, 3), -2**31, 2**31 - 1, jnp.int32),
+            "head": jax.random.normal(k[5], (40, 40), jnp.float16)}
+
+
+def transformed(tree, transform) -> dict:
+    metas, sources = describe(tree, Mapping(transform=transform))
+    return {m.name: np.asarray(transform(p, a)).tobytes() for m, (p, a) in zip(metas, sources)}
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_xla_packs_transformed_chunks_bit_exact_in_every_dtype(wait):
+    """With a transform (blocking) or a snapshot (asynchronous), each chunk is
+    transformed and packed by one jitted call; the bytes are torch's layout."""
+    sender, (server,), caster = memory_sender(SMALL, mapping=Mapping(transform=torch_layout))
+    for seed in (0, 1):  # the second push reuses the compiled packers
+        out = sender.send(every_dtype(seed), wait=wait)
+        if not wait:
+            out.result(timeout=20)
+        assert held(server) == transformed(every_dtype(seed), torch_layout)
+    assert caster.passes == ["xla", "xla"]
+    assert server.store["a.w"].shape == (40, 24)  # (out, in), as torch's Linear holds it
+
+
+def test_chunks_of_too_many_tensors_are_packed_by_copies(monkeypatch):
+    monkeypatch.setattr("jax_sender.packing.MAX_TENSORS", 2)
+    sender, (server,), caster = memory_sender(SMALL, mapping=Mapping(transform=torch_layout))
+    sender.send(every_dtype(2))
+    sender.send(every_dtype(3), wait=False).result(timeout=20)
+    assert caster.passes == ["copies", "copies"]
+    assert held(server) == transformed(every_dtype(3), torch_layout)
+
+
+def test_an_unpacked_asynchronous_push_sends_its_per_tensor_snapshot():
+    sender, (server,), caster = memory_sender(SendConfig(packed=False), delay_s=0.01)
+    p = params(8)
+    want = expected(p)
+    pending = sender.send(p, wait=False)
+    p = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 0, t), donate_argnums=0)(p)
+    assert pending.result(timeout=20).tensors == 5 and held(server) == want
+    assert caster.passes == [] and len(caster.sent) == 5
+
+
 def test_a_send_while_one_is_in_flight_waits_for_it():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.02)
     first = sender.send(params(5), wait=False)
