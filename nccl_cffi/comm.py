@@ -473,11 +473,12 @@ class Communicator:
 class _InitThread:
     """A daemon thread that runs blocking inits, one after another.
 
-    Why kept: ``ncclCommInitRank`` on a thread's first call costs ~13 ms more
-    than on a thread that has made one before (2 x H200, NCCL 2.28.9: 42 ms
-    against 29 ms on the caller's thread), so a fresh thread per init would
-    make every init that much slower than vLLM's. A thread still inside an
-    abandoned init is not reused until that init returns."""
+    Why kept: ``ncclCommInitRank`` on a fresh thread took ~13 ms longer than
+    on a thread that had made one before (2 x H200, NCCL 2.28.9: 42 against
+    29 ms, medians of 11), which made every init slower than vLLM's (it
+    inits on the caller's thread, which cannot be given a deadline). A
+    thread still inside an abandoned init is not reused until that init
+    returns."""
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
