@@ -799,7 +799,9 @@ def _train_report(data: dict) -> list[str]:
     add = lambda m: statistics.median(rows[m]["step"]) - none  # noqa: E731
     if "blocking" in rows and "async" in rows:
         lines += ["", f"The asynchronous push adds {add('async') / add('blocking'):.2f} x what "
-                  "the blocking push adds to a step."]
+                  "the blocking push adds to a step"
+                  + (f", {add('async') / add('torch'):.2f} x what vLLM's torch sender adds."
+                     if "torch" in rows else ".")]
     if "async" in rows and "snapshot" in rows:
         lines += [f"Of the {add('async') * 1e3:.2f} ms it adds, its snapshot (dispatch and "
                   f"copy) is {add('snapshot') * 1e3:.2f} ms; the other "

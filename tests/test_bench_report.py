@@ -37,12 +37,14 @@ def test_the_floor_sits_under_each_packed_push(tmp_path):
     """The consumer's floor (chunks already packed, no sender work) under the
     pushes it bounds, with both senders' times against it."""
     table = _redraw("benches/dense-2xh200.json", tmp_path)
-    for row in ("| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0500 | 0.0498 |",
-                "|   vLLM's torch sender, same | 0.0504 | 0.0498 | 325.2 | 0.90 | ratio to raw; "
-                "ours / torch = 1.01 |",
-                "|   floor: chunks already packed, no sender work | 0.0502 | 0.0494 | 326.6 | 0.90 "
-                "| time / floor: ours 1.00, torch 1.00; ratio to raw |",
-                "| time / floor: ours 1.02, torch 0.95; ratio to raw |"):
+    for row in ("| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0494 | 0.0491 |",
+                "|   vLLM's torch sender, same | 0.0505 | 0.0502 | 324.4 | 0.89 | ratio to raw; "
+                "ours / torch = 1.02 |",
+                "|   floor: chunks already packed, no sender work | 0.0497 | 0.0494 | 329.4 | 0.91 "
+                "| time / floor: ours 0.99, torch 1.02; ratio to raw |",
+                "| time / floor: ours 1.33, torch 0.97; ratio to raw |",
+                "| ours, `send()` | 8.63 | 7.87 | 0.97 |", "| ours | 2.16 | 3.47 | 2.47 |",
+                "| uniqueid.handshake | 211.3 | 185.4 | 1.01 |"):
         assert row in table, row
     assert table.count("floor: chunks") == 2  # qwen3-8b and many-small, not unpacked or large
 
@@ -63,12 +65,12 @@ def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
       "| dense, packed 1 GiB x 2 | 1.54 | 0.238 | 0.224 | 1.0 |",
       "| sparse, 1% changed | 0.046 | 0.058 | 0.054 | 4.1 |"]),
     ("benches/train-2xh200.json",  # the training loop: each push against no push
-     ["| none | 24.05 | 0.00 | 0 | |", "| blocking `send()` | 54.75 | 30.70 | 30.97 | 22.59 |",
-      "| vLLM's torch sender, blocking `send_weights()` | 47.20 | 23.14 | 22.42 | 7.93 |",
-      "| `send(wait=False)` | 32.77 | 8.72 | 3.05 | 7.67 |",
-      "| its snapshot alone (the same copies, no broadcast) | 26.81 | 2.75 | 3.06 | |",
-      "adds 0.28 x what the blocking push adds",
-      "its snapshot (dispatch and copy) is 2.75 ms; the other 5.97 ms is the broadcast"]),
+     ["| none | 23.89 | 0.00 | 0 | |", "| blocking `send()` | 37.69 | 13.79 | 14.25 | 8.24 |",
+      "| vLLM's torch sender, blocking `send_weights()` | 41.70 | 17.81 | 17.32 | 6.71 |",
+      "| `send(wait=False)` | 30.03 | 6.14 | 1.71 | 6.72 |",
+      "| its snapshot alone (the same copies, no broadcast) | 26.07 | 2.17 | 1.26 | |",
+      "adds 0.45 x what the blocking push adds to a step, 0.34 x what vLLM's torch sender adds",
+      "its snapshot (dispatch and copy) is 2.17 ms; the other 3.97 ms is the broadcast"]),
 ])
 def test_each_stage_sits_beside_its_baselines(tmp_path, run, rows):
     table = _redraw(run, tmp_path)
