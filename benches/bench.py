@@ -25,7 +25,8 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
   ``SparseSender.send`` at 1% and 10% changed;
 - a training loop (``--only train``): a Flax decoder's step on GPU 0
   (forward, backward, SGD, parameters donated) pushing to the server after
-  every step: no push, the blocking push, ``send(wait=False)``.
+  every step: no push, the blocking push, ``send(wait=False)``; with
+  ``--max-ctas N ...``, again with NCCL's CTAs capped at N on every rank.
 
 Send time: from posting ``/update_weights`` (the broadcasts start at once)
 to its answer, i.e. every worker holding every
@@ -49,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -578,7 +580,7 @@ def need_gpus(n: int) -> None:
                  "machine with them (cuda13 extra installed); nothing was measured")
 
 
-def run(reps: int, quick: bool, only: str | None = None) -> dict:
+def run(reps: int, quick: bool, only: str | None = None, max_ctas: Sequence[int] = ()) -> dict:
     """Every stage's figures are saved as soon as they exist."""
     from jax_sender.testing.harness import vllm_available
     need_gpus(2)
@@ -612,6 +614,10 @@ def run(reps: int, quick: bool, only: str | None = None) -> dict:
                 save()
                 if vllm:
                     data["train"] += _one("role_train_torch", url, "20")
+            for n in max_ctas:  # NCCL needs the same cap on every rank: server and trainer
+                with _environment({"NCCL_MAX_CTAS": str(n)}), _server("1", vllm) as url:
+                    data["train"] += [dict(j, max_ctas=n) for j in _one("role_train", url, "20")]
+                save()
         _stage(data, "train", train)
         save()
     save()
@@ -776,7 +782,8 @@ def _slow_report(data: dict) -> list[str]:
 def _train_report(data: dict) -> list[str]:
     rows = {}
     for j in data["train"]:
-        rows.setdefault(j["mode"], j)  # the first "none" (before any push)
+        if "max_ctas" not in j:
+            rows.setdefault(j["mode"], j)  # the first "none" (before any push)
     none = statistics.median(rows["none"]["step"])
     lines = ["", f"Training loop: a Flax decoder ({rows['none']['bytes'] / 1e9:.2f} GB of bf16 "
              f"parameters, {rows['none']['tensors']} tensors) trains on GPU 0 and pushes to "
@@ -808,6 +815,30 @@ def _train_report(data: dict) -> list[str]:
                   f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the broadcast (and the "
                   "push thread) beside the training step, which shares the GPU's SMs and "
                   "memory bandwidth with it."]
+    return lines + _capped_report(data, add("blocking") if "blocking" in rows else None)
+
+
+def _capped_report(data: dict, blocking: float | None) -> list[str]:
+    """The training loop again with NCCL's CTAs (SMs) capped on every rank:
+    a slower broadcast that leaves more of the GPU to the training step."""
+    caps: dict[int, dict] = {}
+    for j in data["train"]:
+        if "max_ctas" in j:
+            caps.setdefault(j["max_ctas"], {}).setdefault(j["mode"], j)
+    if not caps:
+        return []
+    lines = ["", "The same loop with `NCCL_MAX_CTAS` set for the server and the trainer alike "
+             "(NCCL needs the same cap on every rank), ms:", "",
+             "| NCCL_MAX_CTAS | step, no push | blocking adds | `send(wait=False)` adds | "
+             "it blocks the trainer | async / blocking, same cap | async / uncapped blocking |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n, rows in sorted(caps.items()):
+        med = lambda m, k="step", rows=rows: statistics.median(rows[m][k])  # noqa: E731
+        none = med("none")
+        block, wait = med("blocking") - none, med("async") - none
+        lines.append(f"| {n} | {none * 1e3:.2f} | {block * 1e3:.2f} | {wait * 1e3:.2f} | "
+                     f"{med('async', 'blocked') * 1e3:.2f} | {wait / block:.2f} | "
+                     + (f"{wait / blocking:.2f} |" if blocking else "|"))
     return lines
 
 
@@ -954,6 +985,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="no sweep, no many-small, no large")
     ap.add_argument("--only", choices=STAGES,
                     help="the raw baseline and this stage only (servers: 4 GPUs)")
+    ap.add_argument("--max-ctas", type=int, nargs="*", default=[], metavar="N",
+                    help="train stage: also run the loop with NCCL_MAX_CTAS=N on every rank")
     ap.add_argument("--plot", metavar="JSON", help="only redraw table and plot from a run's JSON")
     ap.add_argument("--out", default=str(OUT), help="results folder (default: results/)")
     args = ap.parse_args()
@@ -962,7 +995,7 @@ def main() -> None:
     if args.plot:
         data = json.loads(pathlib.Path(args.plot).read_text())
     else:
-        data = run(args.reps, args.quick, args.only)
+        data = run(args.reps, args.quick, args.only, args.max_ctas)
     table = report(data)
     (OUT / "bench.md").write_text(table + "\n")
     print(table)

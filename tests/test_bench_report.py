@@ -101,3 +101,19 @@ def test_per_op_report_puts_each_communicator_next_to_raw():
     assert rows[2] == "| raw ncclBroadcast 1 GiB (baseline) | 2.50 | 2.00 | 429.5 | 1.00 | |"
     assert rows[3] == "| non-blocking, 100 broadcasts | 25.00 | 25.00 | 320.0 | 0.75 | 40.0 |"
     assert rows[4] == "| blocking, 100 broadcasts | 25.00 | 20.00 | 320.0 | 0.75 | 15.0 |"
+
+
+def test_capped_training_rows_sit_beside_the_uncapped_blocking_push(tmp_path):
+    """``--max-ctas``: the loop again with NCCL's CTAs capped on every rank, in
+    a table of its own (figures made up here: no such run yet)."""
+    def row(mode, step, blocked=(), **kw):
+        return dict(mode=mode, step=[step] * 3, blocked=list(blocked), transfer=[],
+                    bytes=10**9, tensors=91, **kw)
+    data = {"reps": 3, "raw": [0.003] * 3, "target": "reference receiver",
+            "train": [row("none", 0.024), row("blocking", 0.038, [0.014] * 3),
+                      row("async", 0.030, [0.002] * 3), row("none", 0.024, max_ctas=8),
+                      row("blocking", 0.044, [0.02] * 3, max_ctas=8),
+                      row("async", 0.027, [0.002] * 3, max_ctas=8)]}
+    table = _redraw(data, tmp_path)
+    assert "adds 0.43 x what the blocking push adds to a step." in table  # uncapped rows only
+    assert "| 8 | 24.00 | 20.00 | 3.00 | 2.00 | 0.15 | 0.21 |" in table
