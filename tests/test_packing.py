@@ -43,3 +43,12 @@ def test_a_packed_chunk_is_its_tensors_bytes_end_to_end():
     assert out.dtype == jnp.uint8  # 9 + 3 float8s: 9 bytes, so bytes it is
     assert np.asarray(out).tobytes() == b"".join(np.asarray(a).tobytes() for a in arrays)
     assert out.nbytes == chunk.nbytes
+
+
+def test_a_transform_that_disagrees_with_its_metadata_is_refused_while_tracing():
+    from jax_sender import MetadataError
+    metas = (TensorMeta("a", "float32", (3,)), TensorMeta("b", "bfloat16", (4,)))
+    packer = chunk_packer((("a",), ("b",)), lambda p, x: x.astype(jnp.float32), metas)
+    with pytest.raises(MetadataError, match=r"'b': the transform gave float32 \(4,\), but "
+                                            r"bfloat16 \(4,\) was declared"):
+        packer([jnp.zeros(3), jnp.zeros(4, jnp.bfloat16)])
