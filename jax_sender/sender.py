@@ -149,16 +149,29 @@ class WeightSender(BaseSender):
         bound = self.config.staging_bytes
         if (bound is not None and nbytes > bound) or not self._on_device(sources):
             return None
-        transform = self.mapping.transform
         if self.info.packed and packable(turn.chunks):
-            paths = [sources[i][0] for i in turn.turn.params]
-            arrays = [sources[i][1] for i in turn.turn.params]
-            return Snapshot([pack_chunk(c, turn.metas, paths, arrays, transform)
-                             for c in turn.chunks], chunks=True)
+            make = self._packs(turn, metas, sources, copy=True)
+            return Snapshot([make(k) for k in range(len(turn.chunks))], chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
-        return Snapshot(_copier(tuple(p for p, _ in sources), transform)(
+        return Snapshot(_copier(tuple(p for p, _ in sources), self.mapping.transform)(
             [a for _, a in sources]), chunks=False)
+
+    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta],
+               sources: list[tuple[Any, Any]], *, copy: bool) -> Callable[[int], jax.Array]:
+        """``make(k)``: chunk ``k`` of ``turn`` packed by XLA, dispatched
+        (``packing.py``). A chunk of one tensor is the transform's output
+        itself, unless ``copy`` (a snapshot must not share the caller's arrays)."""
+        paths = [sources[i][0] for i in turn.turn.params]
+        arrays = [sources[i][1] for i in turn.turn.params]
+        transform = self.mapping.transform
+
+        def make(k: int) -> jax.Array:
+            c = turn.chunks[k]
+            if c.single and not copy:  # broadcast from the transform's output
+                return self._checked(metas, sources, turn.turn.params[c.start])
+            return pack_chunk(c, turn.metas, paths, arrays, transform)
+        return make
 
     def _turns_of(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
                   ) -> list[TurnUpdate]:
@@ -220,9 +233,8 @@ class WeightSender(BaseSender):
             stats.prepare_s = stats.returned_s = time.perf_counter() - t0
             return stats
         snapshot = None if wait else self._snapshot(metas, sources, turns[0])
-        transform = self.mapping.transform
         # With a transform, XLA packs each chunk in one call (``packing.py``).
-        by_xla = (info.packed and snapshot is None and transform is not identity
+        by_xla = (info.packed and snapshot is None and self.mapping.transform is not identity
                   and self._on_device(sources))
         if snapshot is not None:
             get, temporaries = snapshot.arrays.__getitem__, False
@@ -233,17 +245,6 @@ class WeightSender(BaseSender):
                         if not temporaries else (lambda: None))
         rank = self.route.rank
         packed = info.packed
-
-        def chunk_maker(t: TurnUpdate) -> Callable[[int], jax.Array]:
-            paths = [sources[i][0] for i in t.turn.params]
-            arrays = [sources[i][1] for i in t.turn.params]
-
-            def make(k: int) -> jax.Array:
-                c = t.chunks[k]
-                if c.single:  # broadcast from the transform's output, no copy
-                    return self._checked(metas, sources, t.turn.params[c.start])
-                return pack_chunk(c, t.metas, paths, arrays, transform)
-            return make
 
         def broadcast_fn(t: TurnUpdate) -> Callable[[Callable[[], None]], None]:
             def broadcast(check: Callable[[], None]) -> None:
@@ -257,8 +258,8 @@ class WeightSender(BaseSender):
                 if snapshot is not None and snapshot.chunks:
                     b.produced(t.chunks, get, t.turn.src, timeout=timeout, check=check)
                 elif by_xla and packable(t.chunks):
-                    b.produced(t.chunks, chunk_maker(t), t.turn.src, timeout=timeout,
-                               check=check)
+                    b.produced(t.chunks, self._packs(t, metas, sources, copy=False),
+                               t.turn.src, timeout=timeout, check=check)
                 elif packed:
                     b.packed(t.metas, t.chunks, mine, t.turn.src, timeout=timeout, check=check,
                              temporaries=temporaries)
