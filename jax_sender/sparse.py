@@ -13,13 +13,14 @@ vLLM's sparse loader fills the unchanged positions with NaN and copies the
 rest (NaN marks "keep"), so it takes floating tensors only, refuses a patch
 whose values hold a NaN, and has no float8 kernel for its ``index_copy_``:
 all three fail after the whole transfer (the last one found on 2 x H200).
-``check_sparse`` and ``count_changed`` refuse them here, before anything is
+``check_sparse`` and ``count_changes`` refuse them here, before anything is
 sent.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -87,7 +88,13 @@ def _extract(old: jax.Array, new: jax.Array, size: int,
              tolerance: float | None) -> tuple[jax.Array, jax.Array]:
     flat_new = new.reshape(-1)
     changed = _changed(old.reshape(-1), flat_new, tolerance)
-    indices = jnp.nonzero(changed, size=size, fill_value=flat_new.size)[0].astype(jnp.int32)
+    # Stream compaction: the k-th changed element's index goes to slot k, each
+    # slot written once; the rest point past the buffer and are dropped.
+    # (``jnp.nonzero`` scatter-adds every element into a few bins instead,
+    # which a GPU serializes on its atomics.)
+    slot = jnp.where(changed, jnp.cumsum(changed, dtype=jnp.int32) - 1, size)
+    indices = jnp.full((size,), flat_new.size, jnp.int32).at[slot].set(
+        jnp.arange(flat_new.size, dtype=jnp.int32), mode="drop")
     bits = _BITS[new.dtype.itemsize]  # gathered as bits, like ``apply`` scatters
     values = jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(flat_new, bits).at[indices].get(mode="fill", fill_value=0),
@@ -95,17 +102,29 @@ def _extract(old: jax.Array, new: jax.Array, size: int,
     return indices, values
 
 
+def count_changes(pairs: Sequence[tuple[str, jax.Array, jax.Array]],
+                  tolerance: float | None = None) -> list[int]:
+    """How many elements ``diff`` would put in each ``(name, old, new)``
+    patch; refuses a NaN among them. One host sync for the whole list."""
+    tallies = jax.device_get([_tally(old, new, tolerance) for _, old, new in pairs])
+    for (name, _, _), (_, nans) in zip(pairs, tallies):
+        if nans:
+            raise MetadataError(
+                f"{name!r}: {nans} changed elements are NaN, which vLLM's sparse worker "
+                "refuses (NaN marks the elements it keeps), after the whole transfer. Send "
+                "it with a dense push")
+    return [int(count) for count, _ in tallies]
+
+
 def count_changed(name: str, old: jax.Array, new: jax.Array,
                   tolerance: float | None = None) -> int:
-    """How many elements ``diff`` would put in the patch; refuses a NaN among
-    them (one host sync for both)."""
-    count, nans = (int(x) for x in jax.device_get(_tally(old, new, tolerance)))
-    if nans:
-        raise MetadataError(
-            f"{name!r}: {nans} changed elements are NaN, which vLLM's sparse worker refuses "
-            "(NaN marks the elements it keeps), after the whole transfer. Send it with a "
-            "dense push")
-    return count
+    """``count_changes`` of one tensor."""
+    return count_changes([(name, old, new)], tolerance)[0]
+
+
+def padded(count: int) -> int:
+    """A patch's buffer length: ``count`` rounded up to a power of two (at least 1)."""
+    return 1 << max(count - 1, 0).bit_length()  # 0 -> 1, 5 -> 8, 8 -> 8
 
 
 def diff(name: str, old: jax.Array, new: jax.Array, *, tolerance: float | None = None,
@@ -121,8 +140,7 @@ def diff(name: str, old: jax.Array, new: jax.Array, *, tolerance: float | None =
     if not new.size:  # nothing to gather from
         indices, values = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), new.dtype)
     else:
-        size = 1 << max(count - 1, 0).bit_length()  # 0 -> 1, 5 -> 8, 8 -> 8
-        indices, values = _extract(old, new, size, tolerance)
+        indices, values = _extract(old, new, padded(count), tolerance)
     return Patch(name, tuple(new.shape), indices, values, count, lossy=tolerance is not None)
 
 

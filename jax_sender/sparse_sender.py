@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from nccl_cffi.dtypes import NCCL_TYPES
 from uniqueid import as_clients
 from uniqueid.wire import SparseUpdateInfo
 
@@ -28,7 +29,7 @@ from .naming import Mapping
 from .plan import TensorMeta, check_against
 from .push import SendStats
 from .routes import SingleProcess, sender_device
-from .sparse import Patch, check_sparse, count_changed, diff
+from .sparse import Patch, check_sparse, count_changes, diff, padded
 
 log = logging.getLogger("jax_sender")
 
@@ -65,8 +66,9 @@ class SparseSender(BaseSender):
         skips float changes no larger than it, which is lossy. float16,
         bfloat16, float32 and float64 only, and no NaN among the changed
         values: vLLM's loader would fail on anything else after the transfer,
-        so it is refused here first. Counting the changes syncs the host once
-        per tensor; each patch is then built just in time and freed once
+        so it is refused here first. Counting the changes syncs the host once;
+        the patches are then built ahead of their broadcasts, at most
+        ``buffer_size_bytes`` x ``num_buffers`` of them alive, and freed once
         broadcast. A tensor with no change is still two zero-count
         broadcasts, as vLLM's own sparse trainer issues them.
         """
@@ -79,25 +81,21 @@ class SparseSender(BaseSender):
         for m in metas:
             check_sparse(m)
         get_new, get_old = self._getter(metas, sources)[0], self._getter(before, old_sources)[0]
-        counts = [count_changed(m.name, get_old(i), get_new(i), tolerance)
-                  for i, m in enumerate(metas)]
+        counts = count_changes([(m.name, get_old(i), get_new(i)) for i, m in enumerate(metas)],
+                               tolerance)
         update = SparseUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
                                   [list(m.shape) for m in metas], counts)
         wire = [w for m, n in zip(metas, counts) for w in (
             TensorMeta(f"{m.name}:indices", "int32", (n,)),
             TensorMeta(f"{m.name}:values", m.dtype, (n,)))]
-        patches: dict[int, Patch] = {}
+        patches = _Patches(metas, counts, get_old, get_new, tolerance,
+                           self.config.buffer_size_bytes * self.config.num_buffers)
+        patches.make_ahead(0)  # XLA starts on them while the HTTP calls go out
 
         def get(j: int) -> jax.Array:
-            i = j // 2
             if j % 2:
-                return patches.pop(i).values
-            # Padded to a power of two; the broadcast takes the first counts[i] elements.
-            p = patches[i] = diff(metas[i].name, get_old(i), get_new(i), tolerance=tolerance,
-                                  count=counts[i])
-            # NCCL reads the buffers by pointer: XLA must have written them first.
-            jax.block_until_ready((p.indices, p.values))
-            return p.indices
+                return patches.take(j // 2).values
+            return patches.ready(j // 2).indices
 
         nbytes = sum(w.nbytes for w in wire)
         timeout = self.config.wait_timeout_s(2 * max(w.nbytes for w in wire))
@@ -113,3 +111,48 @@ class SparseSender(BaseSender):
         stats = self._start(push, weight_version, pause, "jax-sender-sparse", t0).result()
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
+
+
+class _Patches:
+    """A sparse push's patches, made ahead of their broadcasts.
+
+    XLA builds patches while NCCL sends earlier ones, as long as the patches
+    made and not yet sent fit ``budget`` bytes (the packed path's staging
+    bound; at least one patch is always made). Building each patch only when
+    its turn came left the link idle while XLA worked, and waiting for each
+    one in turn made the host sync once per tensor.
+    """
+
+    def __init__(self, metas: Sequence[TensorMeta], counts: Sequence[int],
+                 get_old: Callable[[int], jax.Array], get_new: Callable[[int], jax.Array],
+                 tolerance: float | None, budget: int):
+        self._metas, self._counts = metas, counts
+        self._get_old, self._get_new, self._tolerance = get_old, get_new, tolerance
+        # Padded to a power of two; the broadcast takes the first counts[i] elements.
+        self._sizes = [padded(n) * (4 + NCCL_TYPES[m.dtype][1]) for m, n in zip(metas, counts)]
+        self._budget = budget
+        self._made: dict[int, Patch] = {}
+        self._next = 0
+        self._alive = 0
+
+    def make_ahead(self, i: int) -> None:
+        """Dispatch patches up to ``i`` and on while they fit the budget."""
+        while self._next < len(self._metas) and (
+                self._next <= i or self._alive + self._sizes[self._next] <= self._budget):
+            k = self._next
+            self._made[k] = diff(self._metas[k].name, self._get_old(k), self._get_new(k),
+                                 tolerance=self._tolerance, count=self._counts[k])
+            self._alive += self._sizes[k]
+            self._next += 1
+
+    def ready(self, i: int) -> Patch:
+        """Patch ``i``, written: NCCL reads its buffers by pointer, so XLA must be done."""
+        self.make_ahead(i)
+        p = self._made[i]
+        jax.block_until_ready((p.indices, p.values))
+        return p
+
+    def take(self, i: int) -> Patch:
+        """Patch ``i``, handed to the broadcaster: it no longer counts against the budget."""
+        self._alive -= self._sizes[i]
+        return self._made.pop(i)

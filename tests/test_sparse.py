@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 
 from jax_sender import MetadataError
 from jax_sender.plan import TensorMeta
-from jax_sender.sparse import SPARSE_DTYPES, Patch, apply, check_patch, count_changed, diff
+from jax_sender.sparse import (
+    SPARSE_DTYPES,
+    Patch,
+    apply,
+    check_patch,
+    count_changed,
+    count_changes,
+    diff,
+)
+from jax_sender.sparse_sender import _Patches
 from uniqueid import SparseUpdateInfo
 
 DTYPES = {"bfloat16": (jnp.bfloat16, np.uint16), "float16": (jnp.float16, np.uint16),
@@ -112,6 +121,44 @@ def test_sizes_and_refusals():
     assert np.asarray(patch.indices)[:patch.count].tolist() == [6]
     with pytest.raises(MetadataError, match="same layout"):
         diff("w", old, jnp.zeros((4, 4), jnp.float32))
+
+
+def test_counts_of_many_tensors_and_the_nan_refusal_name_the_tensor():
+    old = [jnp.zeros(n, jnp.float32) for n in (5, 7, 9)]
+    new = [old[0].at[1].set(2), old[1], old[2].at[jnp.array([0, 8])].set(1)]
+    names = ["a", "b", "c"]
+    assert count_changes(list(zip(names, old, new))) == [1, 0, 2]
+    new[1] = new[1].at[3].set(jnp.nan)
+    with pytest.raises(MetadataError, match="'b': 1 changed elements are NaN"):
+        count_changes(list(zip(names, old, new)))
+
+
+def test_patches_are_made_ahead_only_within_their_budget():
+    """A push's patches are built ahead of their broadcasts while the ones
+    not yet handed over fit the budget; the one a broadcast needs always is."""
+    old = [jnp.zeros(100, jnp.float32) for _ in range(4)]
+    new = [o.at[jnp.arange(i, 100, 10)].set(i + 1.0) for i, o in enumerate(old)]  # 10 each
+    metas = [TensorMeta(f"w{i}", "float32", (100,)) for i in range(4)]
+    each = 16 * (4 + 4)  # 10 changes, padded to 16 int32 indices + 16 float32 values
+    made = []
+
+    def get_new(i):
+        made.append(i)
+        return new[i]
+
+    patches = _Patches(metas, [10] * 4, old.__getitem__, get_new, None, budget=2 * each + 1)
+    first = patches.ready(0)
+    assert made == [0, 1]
+    np.testing.assert_array_equal(apply(old[0], first), new[0])
+    patches.take(0)
+    patches.ready(1)
+    assert made == [0, 1, 2]
+    for i in (1, 2):
+        np.testing.assert_array_equal(apply(old[i], patches.take(i)), new[i])
+    patches.ready(3)
+    assert made == [0, 1, 2, 3]
+    tight = _Patches(metas, [10] * 4, old.__getitem__, new.__getitem__, None, budget=0)
+    np.testing.assert_array_equal(apply(old[2], tight.ready(2)), new[2])  # 0 to 2, past it
 
 
 def test_sparse_update_info_follows_vllms_rules():
