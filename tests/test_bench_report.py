@@ -22,58 +22,61 @@ def _redraw(run, out_dir: pathlib.Path) -> str:
     return out.stdout
 
 
+RUN = "benches/bench-2xh200.json"  # one `bench.py --reps 5` run, every stage
+
+
 def test_report_redraws_from_a_runs_json(tmp_path):
-    table = _redraw("benches/bench-2xh200.json", tmp_path)
+    table = _redraw(RUN, tmp_path)
     for row in ("raw ncclBroadcast 1 GiB", "packed send qwen3-8b", "vLLM's torch sender",
                 "unpacked send qwen3-8b", "many-small", "large", "uniqueid.handshake",
                 "from_unique_id_bytes", "| 64 MiB | 1 |", "| 2048 MiB | 3 |"):
         assert row in table, row
-    assert "| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0491 |" in table
-    assert "broadcasts alone 361.8 GB/s (0.989 x raw)" in table
+    assert "| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0499 |" in table
+    assert "broadcasts alone 361.9 GB/s (0.997 x raw)" in table
     assert (tmp_path / "bench.md").read_text().strip() in table
 
 
 def test_the_floor_sits_under_each_packed_push(tmp_path):
     """The consumer's floor (chunks already packed, no sender work) under the
     pushes it bounds, with both senders' times against it."""
-    table = _redraw("benches/dense-2xh200.json", tmp_path)
-    for row in ("| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0494 | 0.0491 |",
-                "|   vLLM's torch sender, same | 0.0505 | 0.0502 | 324.4 | 0.89 | ratio to raw; "
-                "ours / torch = 1.02 |",
-                "|   floor: chunks already packed, no sender work | 0.0497 | 0.0494 | 329.4 | 0.91 "
-                "| time / floor: ours 0.99, torch 1.02; ratio to raw |",
-                "| time / floor: ours 1.33, torch 0.97; ratio to raw |",
-                "| ours, `send()` | 8.63 | 7.87 | 0.97 |", "| ours | 2.16 | 3.47 | 2.47 |",
-                "| uniqueid.handshake | 211.3 | 185.4 | 1.01 |"):
+    table = _redraw(RUN, tmp_path)
+    for row in ("|   vLLM's torch sender, same | 0.0504 | 0.0501 | 325.1 | 0.90 | ratio to raw; "
+                "ours / torch = 1.01 |",
+                "|   floor: chunks already packed, no sender work | 0.0492 | 0.0487 | 333.2 | 0.92 "
+                "| time / floor: ours 1.02, torch 1.02; ratio to raw |",
+                "| time / floor: ours 1.06, torch 0.91; ratio to raw |",
+                "| uniqueid.handshake | 184.0 | 173.7 | 0.98 |"):
         assert row in table, row
     assert table.count("floor: chunks") == 2  # qwen3-8b and many-small, not unpacked or large
 
 
 def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
-    table = _redraw("benches/bench-2xh200.json", tmp_path)
+    table = _redraw(RUN, tmp_path)
     for row in ("vLLM 0.33.0 sparse_nccl engine",
-                "| 1% | 0.49 | 16.38 | 0.03 | 0.601 |", "| 10% |",
-                "| 50% | 24.57 | 16.38 | 1.50 | 0.686 | 0.651 | 0.776 | 0.045 | 15.3 | 0.049 |",
-                "- 1%: patches 0.495 s, broadcasts 0.509 s of 0.601 s"):
+                "| 1% | 0.49 | 16.38 | 0.03 | 0.147 |", "| 10% |",
+                "| 50% | 24.57 | 16.38 | 1.50 | 0.438 | 0.435 | 0.509 | 0.045 | 9.7 | 0.050 |",
+                "- 1%: patches 0.004 s, broadcasts 0.028 s of 0.147 s"):
         assert row in table, row
 
 
-@pytest.mark.parametrize("run, rows", [
-    ("benches/bench-2xh200.json",  # a push's fixed cost, and sparse over a slow link
-     ["| ours, `send()` | 6.06 | 5.34 | 0.98 |", "| vLLM's torch engine, `send_weights()` | 6.20 |",
-      "| ours | 1.23 | 2.33 | 1.51 |", "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket",
-      "| dense, packed 1 GiB x 2 | 1.54 | 0.238 | 0.224 | 1.0 |",
-      "| sparse, 1% changed | 0.046 | 0.058 | 0.054 | 4.1 |"]),
-    ("benches/train-2xh200.json",  # the training loop: each push against no push
-     ["| none | 23.89 | 0.00 | 0 | |", "| blocking `send()` | 37.69 | 13.79 | 14.25 | 8.24 |",
-      "| vLLM's torch sender, blocking `send_weights()` | 41.70 | 17.81 | 17.32 | 6.71 |",
-      "| `send(wait=False)` | 30.03 | 6.14 | 1.71 | 6.72 |",
-      "| its snapshot alone (the same copies, no broadcast) | 26.07 | 2.17 | 1.26 | |",
-      "adds 0.45 x what the blocking push adds to a step, 0.34 x what vLLM's torch sender adds",
-      "its snapshot (dispatch and copy) is 2.17 ms; the other 3.97 ms is the broadcast"]),
-])
-def test_each_stage_sits_beside_its_baselines(tmp_path, run, rows):
-    table = _redraw(run, tmp_path)
+@pytest.mark.parametrize("rows", [
+    # a push's fixed cost
+    ["| ours, `send()` | 7.66 | 6.41 | 1.16 |", "| vLLM's torch engine, `send_weights()` | 6.63 |",
+     "| ours | 1.88 | 3.05 | 2.18 |"],
+    # sparse over a slow link
+    ["NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket",
+     "| dense, packed 1 GiB x 2 | 1.54 | 0.294 | 0.287 | 1.0 |",
+     "| sparse, 1% changed | 0.046 | 0.021 | 0.020 | 13.8 |"],
+    # the training loop: each push against no push
+    ["| none | 23.66 | 0.00 | 0 | |", "| blocking `send()` | 38.10 | 14.44 | 14.68 | 8.35 |",
+     "| vLLM's torch sender, blocking `send_weights()` | 42.87 | 19.21 | 19.09 | 6.95 |",
+     "| `send(wait=False)` | 30.14 | 6.48 | 1.92 | 6.80 |",
+     "| its snapshot alone (the same copies, no broadcast) | 25.93 | 2.27 | 1.43 | |",
+     "adds 0.45 x what the blocking push adds to a step, 0.34 x what vLLM's torch sender adds",
+     "its snapshot (dispatch and copy) is 2.27 ms; the other 4.21 ms is the broadcast"],
+], ids=["fixed cost", "slow link", "training loop"])
+def test_each_stage_sits_beside_its_baselines(tmp_path, rows):
+    table = _redraw(RUN, tmp_path)
     for row in rows:
         assert row in table, row
 
