@@ -20,7 +20,7 @@ sent.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import jax
@@ -102,18 +102,26 @@ def _extract(old: jax.Array, new: jax.Array, size: int,
     return indices, values
 
 
-def count_changes(pairs: Sequence[tuple[str, jax.Array, jax.Array]],
+def count_changes(pairs: Iterable[tuple[str, jax.Array, jax.Array]],
                   tolerance: float | None = None) -> list[int]:
     """How many elements ``diff`` would put in each ``(name, old, new)``
-    patch; refuses a NaN among them. One host sync for the whole list."""
-    tallies = jax.device_get([_tally(old, new, tolerance) for _, old, new in pairs])
-    for (name, _, _), (_, nans) in zip(pairs, tallies):
+    patch; refuses a NaN among them. One host sync for the whole list.
+
+    ``pairs`` may make its arrays as it goes (a transform's outputs): they
+    are dropped once counted, so a tree is never held twice.
+    """
+    names, tallies = [], []
+    for name, old, new in pairs:
+        names.append(name)
+        tallies.append(_tally(old, new, tolerance))
+    counts = jax.device_get(tallies)
+    for name, (_, nans) in zip(names, counts):
         if nans:
             raise MetadataError(
                 f"{name!r}: {nans} changed elements are NaN, which vLLM's sparse worker "
                 "refuses (NaN marks the elements it keeps), after the whole transfer. Send "
                 "it with a dense push")
-    return [int(count) for count, _ in tallies]
+    return [int(count) for count, _ in counts]
 
 
 def count_changed(name: str, old: jax.Array, new: jax.Array,

@@ -81,7 +81,7 @@ class SparseSender(BaseSender):
         for m in metas:
             check_sparse(m)
         get_new, get_old = self._getter(metas, sources)[0], self._getter(before, old_sources)[0]
-        counts = count_changes([(m.name, get_old(i), get_new(i)) for i, m in enumerate(metas)],
+        counts = count_changes(((m.name, get_old(i), get_new(i)) for i, m in enumerate(metas)),
                                tolerance)
         update = SparseUpdateInfo([m.name for m in metas], [m.dtype for m in metas],
                                   [list(m.shape) for m in metas], counts)

@@ -1,6 +1,8 @@
 """Sparse patches: bit-exact against a dense push, lossy only when asked, and
 nothing vLLM's sparse loader would refuse after the transfer (no GPU)."""
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,21 @@ def test_counts_of_many_tensors_and_the_nan_refusal_name_the_tensor():
     new[1] = new[1].at[3].set(jnp.nan)
     with pytest.raises(MetadataError, match="'b': 1 changed elements are NaN"):
         count_changes(list(zip(names, old, new)))
+
+
+def test_counting_never_holds_the_whole_tree():
+    """Pairs made as they are counted (a transform's outputs) are dropped once
+    counted: making pair i, pair i - 2 is gone (Python still holds the last one)."""
+    made = []
+
+    def pairs():
+        for i in range(5):
+            assert i < 2 or made[i - 2]() is None, f"pair {i - 2} still held"
+            new = jnp.full(8, float(i)).at[:i].set(-1.0)
+            made.append(weakref.ref(new))
+            yield f"w{i}", jnp.full(8, float(i)), new
+
+    assert count_changes(pairs()) == [0, 1, 2, 3, 4]
 
 
 def test_patches_are_made_ahead_only_within_their_budget():
