@@ -118,9 +118,8 @@ class _Patches:
 
     XLA builds patches while NCCL sends earlier ones, as long as the patches
     made and not yet sent fit ``budget`` bytes (the packed path's staging
-    bound; at least one patch is always made). Building each patch only when
-    its turn came left the link idle while XLA worked, and waiting for each
-    one in turn made the host sync once per tensor.
+    bound; at least one patch is always made). Why ahead: a patch built
+    only when its turn comes leaves the link idle while XLA works on it.
     """
 
     def __init__(self, metas: Sequence[TensorMeta], counts: Sequence[int],
