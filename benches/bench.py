@@ -812,9 +812,8 @@ def _train_report(data: dict) -> list[str]:
     if "async" in rows and "snapshot" in rows:
         lines += [f"Of the {add('async') * 1e3:.2f} ms it adds, its snapshot (dispatch and "
                   f"copy) is {add('snapshot') * 1e3:.2f} ms; the other "
-                  f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the broadcast (and the "
-                  "push thread) beside the training step, which shares the GPU's SMs and "
-                  "memory bandwidth with it."]
+                  f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the push running beside "
+                  "the training step: its broadcast on the GPU, its thread on the host."]
     return lines + _capped_report(data, add("blocking") if "blocking" in rows else None)
 
 

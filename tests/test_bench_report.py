@@ -73,7 +73,8 @@ def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
      "| `send(wait=False)` | 30.14 | 6.48 | 1.92 | 6.80 |",
      "| its snapshot alone (the same copies, no broadcast) | 25.93 | 2.27 | 1.43 | |",
      "adds 0.45 x what the blocking push adds to a step, 0.34 x what vLLM's torch sender adds",
-     "its snapshot (dispatch and copy) is 2.27 ms; the other 4.21 ms is the broadcast"],
+     "its snapshot (dispatch and copy) is 2.27 ms; the other 4.21 ms is the push running beside "
+     "the training step: its broadcast on the GPU, its thread on the host."],
 ], ids=["fixed cost", "slow link", "training loop"])
 def test_each_stage_sits_beside_its_baselines(tmp_path, rows):
     table = _redraw(RUN, tmp_path)
