@@ -25,8 +25,10 @@ GPU 0 is the trainer, GPU 1 the receiver. Rows:
   ``SparseSender.send`` at 1% and 10% changed;
 - a training loop (``--only train``): a Flax decoder's step on GPU 0
   (forward, backward, SGD, parameters donated) pushing to the server after
-  every step: no push, the blocking push, ``send(wait=False)``; with
-  ``--max-ctas N ...``, again with NCCL's CTAs capped at N on every rank.
+  every step: no push, the blocking push, ``send(wait=False)``; a raw
+  broadcast of the same bytes launched beside each step (no push thread,
+  no HTTP, no snapshot), which is what the broadcast alone costs the step;
+  with ``--max-ctas N ...``, again with NCCL's CTAs capped at N on every rank.
 
 Send time: from posting ``/update_weights`` (the broadcasts start at once)
 to its answer, i.e. every worker holding every
@@ -360,6 +362,38 @@ def role_train(url: str, steps: str) -> None:
     sender.close()
 
 
+def role_beside(rank: str, steps: str) -> None:
+    """Rank 0: the training loop without a push, then with one raw broadcast
+    of the parameters' bytes launched right after every step, so it runs
+    beside the next one: no push thread, no HTTP, no snapshot, only what the
+    broadcast's SMs and memory traffic cost the step. Rank 1 receives them."""
+    import jax
+    import jax.numpy as jnp
+
+    from nccl_cffi import Communicator, cuda
+    from uniqueid import UniqueId, warm_up
+    comm = Communicator.init_rank(2, UniqueId.from_b64(_ids()).raw, int(rank), 0,
+                                  blocking=True, timeout=120, then=warm_up)
+    stream = cuda.Stream(0)
+    n = int(steps)
+    params, step, tokens = _trainer()
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    buf = jnp.zeros((nbytes,), jnp.uint8).block_until_ready()
+    if rank == "1":
+        for _ in range(n + 2):
+            comm.broadcast(buf, root=0, stream=stream)
+        comm.wait(stream, 120)
+        _emit({})
+    else:
+        params, none, _, _ = _train_loop(params, step, tokens, n, None)
+        params, walls, blocked, _ = _train_loop(
+            params, step, tokens, n, lambda p: comm.broadcast(buf, root=0, stream=stream))
+        comm.wait(stream, 120)
+        _emit(dict(mode="beside", step=walls, none=none, blocked=blocked, transfer=[],
+                   bytes=nbytes, tensors=len(jax.tree_util.tree_leaves(params))))
+    comm.destroy()
+
+
 def role_train_torch(url: str, steps: str) -> None:
     """The same training loop pushing with vLLM's own torch sender, as a JAX
     trainer that imports torch would: the LLAMA names and transforms in one
@@ -614,6 +648,9 @@ def run(reps: int, quick: bool, only: str | None = None, max_ctas: Sequence[int]
                 save()
                 if vllm:
                     data["train"] += _one("role_train_torch", url, "20")
+            save()
+            _stage(data, "beside", lambda: data["train"].extend(
+                _ranks("role_beside", 2, "20", ids=_uid(), timeout=300)[0]))
             for n in max_ctas:  # NCCL needs the same cap on every rank: server and trainer
                 with _environment({"NCCL_MAX_CTAS": str(n)}), _server("1", vllm) as url:
                     data["train"] += [dict(j, max_ctas=n) for j in _one("role_train", url, "20")]
@@ -814,6 +851,14 @@ def _train_report(data: dict) -> list[str]:
                   f"copy) is {add('snapshot') * 1e3:.2f} ms; the other "
                   f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the push running beside "
                   "the training step: its broadcast on the GPU, its thread on the host."]
+    if "beside" in rows:
+        j = rows["beside"]
+        alone, beside = statistics.median(j["none"]), statistics.median(j["step"])
+        lines += [f"A raw broadcast of the same {j['bytes'] / 1e9:.2f} GB launched beside each "
+                  "step (no push thread, no HTTP, no snapshot; another process receives it on "
+                  f"GPU 1): the step takes {beside * 1e3:.2f} ms against {alone * 1e3:.2f} ms "
+                  f"without it, +{(beside - alone) * 1e3:.2f} ms: the broadcast's own cost to "
+                  "the step."]
     return lines + _capped_report(data, add("blocking") if "blocking" in rows else None)
 
 

@@ -109,7 +109,7 @@ def test_per_op_report_puts_each_communicator_next_to_raw():
 
 def test_capped_training_rows_sit_beside_the_uncapped_blocking_push(tmp_path):
     """``--max-ctas``: the loop again with NCCL's CTAs capped on every rank, in
-    a table of its own (figures made up here: no such run yet)."""
+    a table of its own (figures made up here)."""
     def row(mode, step, blocked=(), **kw):
         return dict(mode=mode, step=[step] * 3, blocked=list(blocked), transfer=[],
                     bytes=10**9, tensors=91, **kw)
@@ -121,3 +121,19 @@ def test_capped_training_rows_sit_beside_the_uncapped_blocking_push(tmp_path):
     table = _redraw(data, tmp_path)
     assert "adds 0.43 x what the blocking push adds to a step." in table  # uncapped rows only
     assert "| 8 | 24.00 | 20.00 | 3.00 | 2.00 | 0.15 | 0.21 |" in table
+
+
+def test_a_raw_broadcast_beside_the_step_is_stated_against_its_own_loop(tmp_path):
+    """The broadcast alone beside each step (no push), against the same
+    process's loop without it (figures made up here: no such run yet)."""
+    steps = lambda ms: [ms / 1e3] * 3  # noqa: E731
+    data = {"reps": 3, "raw": [0.003] * 3, "target": "reference receiver",
+            "train": [dict(mode="none", step=steps(24), blocked=[], transfer=[], bytes=10**9,
+                           tensors=91),
+                      dict(mode="beside", step=steps(24.8), none=steps(23.9), blocked=[],
+                           transfer=[], bytes=10**9, tensors=91)]}
+    table = _redraw(data, tmp_path)
+    assert ("A raw broadcast of the same 1.00 GB launched beside each step (no push thread, "
+            "no HTTP, no snapshot; another process receives it on GPU 1): the step takes "
+            "24.80 ms against 23.90 ms without it, +0.90 ms") in table
+    assert "| beside" not in table  # a line of its own, not a push row
