@@ -130,6 +130,10 @@ def main(scenario: str, process: int, port: str) -> None:
     else:
         raise ValueError(scenario)
     sys.stdout.flush()
+    if scenario not in ("late", "absent"):
+        # Process 0 hosts the coordination service: leaving first would take it
+        # down under process 1, whose JAX then aborts it. Both leave together.
+        jax.distributed.shutdown()
     os._exit(0)  # a gather left waiting must not hold the process
 
 
