@@ -1,0 +1,56 @@
+"""The sender's own host cost per push, on CPU, with no GPU and no vLLM.
+
+    python benches/host_cost.py [--sends 500]
+
+A 4 KiB push (the bench's fixed-cost row) through ``WeightSender.send``
+over the test suite's in-memory link (``tests/memory_link.py``): real HTTP
+on loopback with vLLM's session rules, the broadcast handed over in memory.
+Its HTTP calls are timed inside the push (start, update, finish, as
+``SendStats`` reports them); the rest of ``send()`` is the sender's own:
+validation, the push thread, the update's background call, the waits.
+That rest is what a sender adds to vLLM's three calls on any machine, and
+what this script measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sends", type=int, default=500)
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+    from memory_link import memory_sender
+
+    jax.config.update("jax_platforms", "cpu")
+    sender, _, _ = memory_sender()
+    params = {"w": jnp.ones((1024,), jnp.float32)}
+    for _ in range(50):  # warm-up: compiles, pools, connections
+        sender.send(params)
+    walls, stats = [], []
+    for _ in range(args.sends):
+        t = time.perf_counter()
+        stats.append(sender.send(params))
+        walls.append(time.perf_counter() - t)
+    sender.close()
+    ms = lambda xs: f"{statistics.median(xs) * 1e3:.3f}"  # noqa: E731
+    http = [s.start_s + s.transfer_s + s.finish_s for s in stats]
+    print(f"Medians of {args.sends} pushes of one 4 KiB tensor, ms.\n")
+    print("| send() | start | update | finish | the sender's own |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {ms(walls)} | {ms([s.start_s for s in stats])} | "
+          f"{ms([s.transfer_s for s in stats])} | {ms([s.finish_s for s in stats])} | "
+          f"{ms([w - h for w, h in zip(walls, http)])} |")
+
+
+if __name__ == "__main__":
+    main()
