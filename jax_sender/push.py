@@ -29,6 +29,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nccl_cffi.threads import run_in_thread
+
 from .control import ControlPlane
 from .errors import SendError
 
@@ -165,16 +167,18 @@ class PendingSend:
                  stuck: Callable[[], str]):
         self._future: Future[SendStats] = Future()
         self._cancel = threading.Event()
+        self._stopped = threading.Event()
         self._why = ""
         self._stuck = stuck
-        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self._thread.start()
+        run_in_thread(lambda: self._run(work), name)
 
     def _run(self, work: Callable[[Check], SendStats]) -> None:
         try:
             self._future.set_result(work(self._cancelled))
         except BaseException as e:
             self._future.set_exception(e)
+        finally:
+            self._stopped.set()
 
     def _cancelled(self) -> None:
         if self._cancel.is_set():
@@ -210,6 +214,5 @@ class PendingSend:
             raise
 
     def wait_stopped(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the push thread to end, whatever the outcome."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Wait up to ``timeout`` s for the push to end, whatever the outcome."""
+        return self._stopped.wait(timeout)

@@ -21,7 +21,6 @@ communicator when it passes, which also releases the kernels stuck in it.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from .dtypes import dtype_name, nccl_type
 from .errors import IN_PROGRESS, SUCCESS, InvalidUsageError, NcclTimeoutError, make_error
 from .errors import check as check_rc
 from .library import load_library, nccl_version
+from .threads import run_in_thread
 
 UNIQUE_ID_BYTES = 128
 DEFAULT_INIT_TIMEOUT = 300.0
@@ -214,7 +214,7 @@ class Communicator:
                     if not abandoned.is_set():
                         result.set_exception(e)
 
-        _in_init_thread(run)
+        run_in_thread(run, "nccl-init")
         try:
             while True:
                 try:
@@ -468,38 +468,6 @@ class Communicator:
             on_timeout=lambda: self._timeout(
                 what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
         )
-
-
-class _InitThread:
-    """A daemon thread that runs blocking inits, one after another.
-
-    Why kept: ``ncclCommInitRank`` on a fresh thread took ~13 ms longer than
-    on a thread that had made one before (2 x H200, NCCL 2.28.9: 42 against
-    29 ms, medians of 11), which made every init slower than vLLM's (it
-    inits on the caller's thread, which cannot be given a deadline). A
-    thread still inside an abandoned init is not reused until that init
-    returns."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="nccl-init", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            self.jobs.get()()  # a job never raises: it reports through its future
-            with _idle_lock:
-                _idle.append(self)
-
-
-_idle: list[_InitThread] = []
-_idle_lock = threading.Lock()
-
-
-def _in_init_thread(job: Callable[[], None]) -> None:
-    """Run ``job`` on an idle init thread, or on a new one (inits may run side by side)."""
-    with _idle_lock:
-        worker = _idle.pop() if _idle else _InitThread()
-    worker.jobs.put(job)
 
 
 def _left(deadline: float | None) -> float | None:

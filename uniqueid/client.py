@@ -9,12 +9,13 @@ connect timeout, and read timeouts long enough for the call (an
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import httpx
+
+from nccl_cffi.threads import run_in_thread
 
 from .errors import RendezvousError
 
@@ -59,10 +60,11 @@ def _error_message(resp: httpx.Response) -> tuple[str, Any]:
 
 
 def in_background(fn: Callable[..., T], *args: Any, name: str = "vllm-http") -> Future[T]:
-    """Run ``fn`` in a daemon thread and return its future.
+    """Run ``fn`` on a kept daemon thread and return its future.
 
     Daemon, unlike an executor's worker: an HTTP call whose server is stuck in
-    an NCCL call must not keep the interpreter from exiting.
+    an NCCL call must not keep the interpreter from exiting. Kept: starting a
+    thread per call costs the caller a wait for it (see ``nccl_cffi.threads``).
     """
     fut: Future[T] = Future()
 
@@ -74,7 +76,7 @@ def in_background(fn: Callable[..., T], *args: Any, name: str = "vllm-http") -> 
         except BaseException as e:  # delivered to the waiter
             fut.set_exception(e)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    run_in_thread(run, name)
     return fut
 
 
