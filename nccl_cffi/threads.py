@@ -13,6 +13,7 @@ not reused until the job returns; other jobs get another thread.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -37,6 +38,17 @@ class _Worker:
 
 _idle: list[_Worker] = []
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's threads: a job queued for one
+    would never run."""
+    global _lock
+    _idle.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_in_thread(job: Callable[[], None], name: str) -> None:

@@ -1,0 +1,70 @@
+"""Kept daemon threads (``nccl_cffi/threads.py``): reused when idle, never
+while a job still runs, and none carried into a forked child (no GPU)."""
+
+import subprocess
+import sys
+import threading
+
+from nccl_cffi.threads import IDLE_NAME, run_in_thread
+
+
+def _run(job=lambda: None, name="job") -> tuple[int, str]:
+    """Run ``job`` on a kept thread and wait; that thread's ident and name meanwhile."""
+    seen, done = [], threading.Event()
+
+    def wrapped() -> None:
+        seen.append((threading.get_ident(), threading.current_thread().name))
+        job()
+        done.set()
+
+    run_in_thread(wrapped, name)
+    assert done.wait(10)
+    return seen[0]
+
+
+def test_an_idle_thread_is_reused_and_named_for_its_job():
+    first, name = _run(name="push")
+    assert name == "push"
+    for _ in range(20):  # the thread goes back to the pool just after the job's last line
+        if any(t.ident == first and t.name == IDLE_NAME for t in threading.enumerate()):
+            break
+        threading.Event().wait(0.01)
+    assert _run(name="update") == (first, "update")
+    assert next(t for t in threading.enumerate() if t.ident == first).daemon
+
+
+def test_a_thread_inside_a_job_is_never_given_another():
+    release, started = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        started.set()
+        release.wait(10)
+
+    ident = []
+    run_in_thread(lambda: (ident.append(threading.get_ident()), stuck()), "stuck")
+    assert started.wait(10)
+    try:
+        others = {_run()[0] for _ in range(5)}
+        assert ident[0] not in others
+    finally:
+        release.set()
+
+
+def test_a_forked_child_makes_its_own_threads():
+    code = """
+import os, threading
+from nccl_cffi.threads import run_in_thread
+done = threading.Event()
+run_in_thread(done.set, "parent")
+assert done.wait(10)
+pid = os.fork()
+if pid == 0:
+    ok = threading.Event()
+    run_in_thread(ok.set, "child")
+    os._exit(0 if ok.wait(10) else 1)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "child 0", out.stderr[-2000:]
