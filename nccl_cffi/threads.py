@@ -18,25 +18,23 @@ import queue
 import threading
 from collections.abc import Callable
 
-IDLE_NAME = "kept-idle"
-
 
 class _Worker:
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[str, Callable[[], None]]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=IDLE_NAME, daemon=True).start()
+    """One kept thread, named for its kind of job (``name``) for its life."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self) -> None:
-        me = threading.current_thread()
         while True:
-            me.name, job = self.jobs.get()
-            job()  # a job never raises: it reports through its own future
-            me.name = IDLE_NAME
+            self.jobs.get()()  # a job never raises: it reports through its own future
             with _lock:
-                _idle.append(self)
+                _idle.setdefault(self.name, []).append(self)
 
 
-_idle: list[_Worker] = []
+_idle: dict[str, list[_Worker]] = {}
 _lock = threading.Lock()
 
 
@@ -52,8 +50,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def run_in_thread(job: Callable[[], None], name: str) -> None:
-    """Run ``job`` on an idle kept thread (named ``name`` meanwhile), or on a
-    new one. ``job`` must not raise: it reports through a future or an event."""
+    """Run ``job`` on an idle kept thread that ran jobs of the same ``name``,
+    or on a new one. ``job`` must not raise: it reports through a future or
+    an event.
+
+    Kinds are kept apart because a thread's history matters: an init is
+    faster on a thread that made one before, not on one that made HTTP calls.
+    """
     with _lock:
-        worker = _idle.pop() if _idle else _Worker()
-    worker.jobs.put((name, job))
+        idle = _idle.get(name)
+        worker = idle.pop() if idle else _Worker(name)
+    worker.jobs.put(job)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import threading
 
-from nccl_cffi.threads import IDLE_NAME, run_in_thread
+from nccl_cffi.threads import _idle, run_in_thread
 
 
 def _run(job=lambda: None, name="job") -> tuple[int, str]:
@@ -22,15 +22,20 @@ def _run(job=lambda: None, name="job") -> tuple[int, str]:
     return seen[0]
 
 
-def test_an_idle_thread_is_reused_and_named_for_its_job():
-    first, name = _run(name="push")
-    assert name == "push"
-    for _ in range(20):  # the thread goes back to the pool just after the job's last line
-        if any(t.ident == first and t.name == IDLE_NAME for t in threading.enumerate()):
-            break
+def _idle_again(name: str) -> None:
+    """Wait for the thread to go back to the pool, just after its job's last line."""
+    for _ in range(500):
+        if _idle.get(name):
+            return
         threading.Event().wait(0.01)
-    assert _run(name="update") == (first, "update")
-    assert next(t for t in threading.enumerate() if t.ident == first).daemon
+
+
+def test_an_idle_thread_is_reused_for_jobs_of_its_name_only():
+    first, name = _run(name="push")
+    assert name == "push" and next(t for t in threading.enumerate() if t.ident == first).daemon
+    _idle_again("push")
+    assert _run(name="update")[0] != first  # another kind of job: another thread
+    assert _run(name="push") == (first, "push")
 
 
 def test_a_thread_inside_a_job_is_never_given_another():
@@ -41,7 +46,7 @@ def test_a_thread_inside_a_job_is_never_given_another():
         release.wait(10)
 
     ident = []
-    run_in_thread(lambda: (ident.append(threading.get_ident()), stuck()), "stuck")
+    run_in_thread(lambda: (ident.append(threading.get_ident()), stuck()), "job")
     assert started.wait(10)
     try:
         others = {_run()[0] for _ in range(5)}
