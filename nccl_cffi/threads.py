@@ -54,8 +54,8 @@ def run_in_thread(job: Callable[[], None], name: str) -> None:
     or on a new one. ``job`` must not raise: it reports through a future or
     an event.
 
-    Kinds are kept apart because a thread's history matters: an init is
-    faster on a thread that made one before, not on one that made HTTP calls.
+    Kinds are kept apart: an init was measured faster on a thread that had
+    made an init before, so an init thread stays an init thread.
     """
     with _lock:
         idle = _idle.get(name)
