@@ -137,3 +137,24 @@ def test_a_raw_broadcast_beside_the_step_is_stated_against_its_own_loop(tmp_path
             "no HTTP, no snapshot; another process receives it on GPU 1): the step takes "
             "24.80 ms against 23.90 ms without it, +0.90 ms") in table
     assert "| beside" not in table  # a line of its own, not a push row
+
+
+def test_the_fixed_cost_row_joins_the_blocks_the_senders_took_in_turns(tmp_path):
+    """Each sender's blocks are joined into one row, the repetitions of all of
+    them (figures made up here: no such run yet)."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    from bench import _merged
+
+    def block(ms, n=4):
+        return dict(workload="tiny", mode="packed", buffer=1 << 30, nbuf=2, reps=n,
+                    wall=[ms / 1e3] * n, start=[0.002] * n, transfer=[0.003] * n,
+                    finish=[0.002] * n, bytes=4096, tensors=1)
+    ours = _merged([block(7.0), block(7.2), block(9.0)])
+    assert ours["reps"] == 12 and len(ours["wall"]) == 12 and ours["bytes"] == 4096
+    theirs = _merged([block(6.8), block(7.1), block(7.1)])
+    data = {"reps": 1, "raw": [0.003], "target": "vLLM 0.33.0 consumer", "fixed_blocks": 3,
+            "init": {"ours": [0.18], "vllm": [0.19]},
+            "ours": [ours], "torch": [theirs]}
+    table = _redraw(data, tmp_path)
+    assert "median ms. Ours and torch's took turns, 3 blocks of 4 pushes each." in table
+    assert "| ours, `send()` | 7.20 | 7.00 | 1.01 |" in table
