@@ -18,12 +18,11 @@ import queue
 import threading
 import time
 from hashlib import sha256
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import jax
 import numpy as np
-from recorder import answer
+from recorder import JSONHandler, answer, serve
 
 from jax_sender import SendConfig, SparseSender, WeightSender
 from jax_sender.base import BaseSender
@@ -117,14 +116,9 @@ class MemoryServer:
         self._last: UpdateInfo | None = None
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # headers and body go out as separate writes: without this, Nagle holds
-            # the body for the client's delayed ACK (~40 ms a call on Linux)
-            disable_nagle_algorithm = True
-
+        class Handler(JSONHandler):
             def _do(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = self.body()
                 path = self.path.split("?")[0]
                 arrived = time.monotonic()
                 answer(self, *server.route(path, json.loads(raw) if raw else None))
@@ -132,13 +126,7 @@ class MemoryServer:
 
             do_GET = do_POST = _do
 
-            def log_message(self, *a) -> None:
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http.daemon_threads = True
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.http, self.url = serve(Handler)
 
     def routes(self) -> list[str]:
         return [p for p, _, _ in self.log]

@@ -17,6 +17,29 @@ def answer(handler: BaseHTTPRequestHandler, status: int, body) -> None:
     handler.wfile.write(data)
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """Keep-alive HTTP/1.1, quiet; subclasses answer with ``answer``."""
+
+    protocol_version = "HTTP/1.1"
+    # headers and body go out as separate writes: without this, Nagle holds
+    # the body for the client's delayed ACK (~40 ms a call on Linux)
+    disable_nagle_algorithm = True
+
+    def body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def log_message(self, *a) -> None:
+        pass
+
+
+def serve(handler: type[JSONHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """``handler`` served on a free loopback port, on a daemon thread; the server and its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class Recorder:
     def __init__(self, answers=None, delay=0.0):
         self.requests = []
@@ -24,14 +47,9 @@ class Recorder:
         self.delay = delay
         rec = self
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # headers and body go out as separate writes: without this, Nagle holds
-            # the body for the client's delayed ACK (~40 ms a call on Linux)
-            disable_nagle_algorithm = True
-
+        class H(JSONHandler):
             def _do(self):
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = self.body()
                 rec.requests.append((self.command, self.path, raw,
                                      {k.lower(): v for k, v in self.headers.items()}))
                 time.sleep(rec.delay)
@@ -39,13 +57,7 @@ class Recorder:
 
             do_GET = do_POST = _do
 
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.url = serve(H)
 
     def close(self):
         self.server.shutdown()
