@@ -284,6 +284,7 @@ class BaseSender:
             pending.cancel("close()")
             pending.wait_stopped(5.0)
         self._join_pending()
+        self._forget()
         self._drop_broadcaster()
         if self.connection is not None:
             # A broken session's server may be stuck; its engine is shut down on reconnect.

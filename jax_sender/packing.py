@@ -8,6 +8,13 @@ the chunk's buffer, as vLLM's consumer reads it: one launch, no staging
 copy, one host wait per chunk. The same calls are the asynchronous push's
 snapshot: the copies it has to make anyway, already laid out for the wire,
 so the push in the background only broadcasts.
+
+The asynchronous push writes its chunks into buffers it keeps between
+pushes instead (``chunk_writer``): each tensor's transformed bytes go in
+place, at their offset, into a donated buffer. Its snapshot runs before
+the trainer's next step, so its speed is the step's: one 1 GB chunk of 91
+tensors took 2.2 ms concatenated and 1.5 ms written in place (dispatch and
+GPU, H200), and nothing is allocated per push.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .plan import Chunk, TensorMeta
 
@@ -77,6 +85,40 @@ def chunk_packer(paths: tuple[Any, ...], transform: Transform,
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     return jax.jit(pack)
+
+
+def writable(chunk: Chunk, metas: Sequence[TensorMeta]) -> bool:
+    """Whether ``chunk_writer`` can write this chunk: more than one tensor,
+    and every offset (in words) an int32 index, as XLA's in-place update takes."""
+    span = metas[chunk.start:chunk.stop]
+    words = chunk.nbytes // jnp.dtype(unit_of(span)).itemsize
+    return not chunk.single and words < 2**31
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_writer(paths: tuple[Any, ...], transform: Transform, metas: tuple[TensorMeta, ...],
+                 offsets: tuple[int, ...]) -> Callable[[jax.Array, list[jax.Array]], jax.Array]:
+    """One jitted call ``write(buffer, xs)``: the tensors at ``paths``,
+    transformed and checked as in ``chunk_packer``, written in place into
+    ``buffer`` (donated: the result is the same memory) at their byte
+    ``offsets``. ``buffer`` holds the chunk as ``unit_of(metas)`` words."""
+    unit = unit_of(metas)
+    size = jnp.dtype(unit).itemsize
+
+    def write(buffer: jax.Array, xs: list[jax.Array]) -> jax.Array:
+        for path, x, meta, offset in zip(paths, xs, metas, offsets):
+            out = transform(path, x)
+            meta.check(out)
+            buffer = lax.dynamic_update_slice(buffer, as_units(out, unit), (offset // size,))
+        return buffer
+
+    return jax.jit(write, donate_argnums=0)
+
+
+def chunk_buffer(chunk: Chunk, metas: Sequence[TensorMeta], device: jax.Device) -> jax.Array:
+    """A fresh buffer for ``chunk_writer``: the chunk's bytes as its words."""
+    unit = unit_of(metas[chunk.start:chunk.stop])
+    return jnp.zeros((chunk.nbytes // jnp.dtype(unit).itemsize,), unit, device=device)
 
 
 def pack_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],

@@ -47,7 +47,7 @@ from .group import (
     turn_updates,
 )
 from .naming import Mapping, identity
-from .packing import pack_chunk, packable
+from .packing import chunk_buffer, chunk_writer, pack_chunk, packable, unit_of, writable
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import PendingSend, SendStats
 from .routes import ProcessGroup, SingleProcess, sender_device
@@ -90,6 +90,9 @@ class WeightSender(BaseSender):
 
     # Order and chunks of the last plan, kept while its metadata is the same object.
     _turns: tuple[Any, list[TurnUpdate]] | None = None
+    # The last asynchronous push's chunk buffers, by chunk: the next one writes
+    # into them again (donated), once that push is over.
+    _staging: dict[int, jax.Array] = {}  # replaced, never changed in place
 
     @classmethod
     def connect(cls, servers: Servers, *, device: int | None = None,
@@ -142,7 +145,7 @@ class WeightSender(BaseSender):
         caller's thread: XLA runs them before anything the trainer dispatches
         next, so a step that donates (and overwrites) the parameters cannot
         change the bytes in flight. Packed, the copies are the chunks
-        themselves (``packing.py``), so the push only broadcasts. None when
+        themselves (``_write_chunks``), so the push only broadcasts. None when
         they would not fit ``config.staging_bytes`` or the sources need
         gathering."""
         nbytes = sum(m.nbytes for m in metas)
@@ -150,25 +153,50 @@ class WeightSender(BaseSender):
         if (bound is not None and nbytes > bound) or not self._on_device(sources):
             return None
         if self.info.packed and packable(turn.chunks):
-            make = self._packs(turn, metas, sources, copy=True)
-            return Snapshot([make(k) for k in range(len(turn.chunks))], chunks=True)
+            return Snapshot(self._write_chunks(turn, sources), chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
         return Snapshot(_copier(tuple(p for p, _ in sources), self.mapping.transform)(
             [a for _, a in sources]), chunks=False)
 
+    def _write_chunks(self, turn: TurnUpdate, sources: list[tuple[Any, Any]]
+                      ) -> list[jax.Array]:
+        """Every chunk of ``turn``, dispatched: a chunk of several tensors is
+        written into the buffer the last asynchronous push used for it
+        (donated, so nothing is allocated; ``packing.chunk_writer``); a
+        chunk of one tensor is that tensor's transformed copy. Called only
+        once the previous push is over: its broadcasts read those buffers."""
+        paths = [sources[i][0] for i in turn.turn.params]
+        arrays = [sources[i][1] for i in turn.turn.params]
+        transform = self.mapping.transform
+        kept, self._staging = self._staging, {}  # a buffer once donated is gone
+        out = []
+        for k, c in enumerate(turn.chunks):
+            if not writable(c, turn.metas):
+                out.append(pack_chunk(c, turn.metas, paths, arrays, transform))
+                continue
+            span = slice(c.start, c.stop)
+            buffer = kept.get(k)
+            if (buffer is None or buffer.nbytes != c.nbytes
+                    or buffer.dtype != unit_of(turn.metas[span])):
+                buffer = chunk_buffer(c, turn.metas, self.device)
+            write = chunk_writer(tuple(paths[span]), transform, tuple(turn.metas[span]),
+                                 c.offsets)
+            self._staging[k] = write(buffer, list(arrays[span]))
+            out.append(self._staging[k])
+        return out
+
     def _packs(self, turn: TurnUpdate, metas: list[TensorMeta],
-               sources: list[tuple[Any, Any]], *, copy: bool) -> Callable[[int], jax.Array]:
+               sources: list[tuple[Any, Any]]) -> Callable[[int], jax.Array]:
         """``make(k)``: chunk ``k`` of ``turn`` packed by XLA, dispatched
-        (``packing.py``). A chunk of one tensor is the transform's output
-        itself, unless ``copy`` (a snapshot must not share the caller's arrays)."""
+        (``packing.py``). A chunk of one tensor is the transform's output itself."""
         paths = [sources[i][0] for i in turn.turn.params]
         arrays = [sources[i][1] for i in turn.turn.params]
         transform = self.mapping.transform
 
         def make(k: int) -> jax.Array:
             c = turn.chunks[k]
-            if c.single and not copy:  # broadcast from the transform's output
+            if c.single:  # broadcast from the transform's output
                 return self._checked(metas, sources, turn.turn.params[c.start])
             return pack_chunk(c, turn.metas, paths, arrays, transform)
         return make
@@ -258,7 +286,7 @@ class WeightSender(BaseSender):
                 if snapshot is not None and snapshot.chunks:
                     b.produced(t.chunks, get, t.turn.src, timeout=timeout, check=check)
                 elif by_xla and packable(t.chunks):
-                    b.produced(t.chunks, self._packs(t, metas, sources, copy=False),
+                    b.produced(t.chunks, self._packs(t, metas, sources),
                                t.turn.src, timeout=timeout, check=check)
                 elif packed:
                     b.packed(t.metas, t.chunks, mine, t.turn.src, timeout=timeout, check=check,
@@ -284,6 +312,8 @@ class WeightSender(BaseSender):
     def _forget(self) -> None:
         super()._forget()
         self._turns = None
+        # A failed push's broadcasts may still read them: never write there again.
+        self._staging = {}
 
     # -- checking a push -------------------------------------------------
     def verify(self, params: Any) -> VerifyResult:
