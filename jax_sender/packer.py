@@ -38,6 +38,7 @@ from .plan import Chunk, TensorMeta
 
 Check = Callable[[], None]
 Get = Callable[[int], jax.Array]
+Make = Callable[[int, "jax.Array | None"], jax.Array]  # chunk k, a buffer it may write into
 UINT8 = NCCL_TYPES["uint8"][0]
 
 
@@ -72,6 +73,7 @@ class Arena:
 class _InFlight:
     event: cuda.Event
     keep: list[Any] = field(default_factory=list)
+    spare: jax.Array | None = None  # a buffer ``produced`` may write into once this is done
 
 
 class Broadcaster:
@@ -93,6 +95,7 @@ class Broadcaster:
         self.arena = Arena(device)
         self._pool: list[cuda.Event] = []
         self._inflight: deque[_InFlight] = deque()
+        self._spares: list[jax.Array] = []  # ``produced``'s chunk buffers, their broadcasts done
         self._slot_free: list[cuda.Event] = []  # per slot: after the broadcast that read it
         self._slot_used: list[bool] = []
         self.started = 0.0  # perf_counter() at this pass's first broadcast launch
@@ -114,6 +117,7 @@ class Broadcaster:
         self._pool.clear()
         self._slot_free.clear()
         self._slot_used.clear()
+        self._spares.clear()
         self.copy_stream.close()
         self.nccl_stream.close()
         self.arena.release()
@@ -127,6 +131,8 @@ class Broadcaster:
         f = self._inflight.popleft()
         self.comm.wait_event(f.event, timeout, "broadcast", check)
         self._pool.append(f.event)
+        if f.spare is not None:
+            self._spares = [f.spare, *self._spares][:self.num_buffers]
 
     def _window(self, size: int, timeout: float | None, check: Check) -> None:
         while len(self._inflight) >= size:
@@ -148,14 +154,15 @@ class Broadcaster:
         self._launched = []
 
     def _launch(self, ptr: int, count: int, nccl_dtype: int, root: int, nbytes: int,
-                keep: list[Any], timeout: float | None, check: Check) -> None:
+                keep: list[Any], timeout: float | None, check: Check,
+                spare: jax.Array | None = None) -> None:
         self.started = self.started or time.perf_counter()
         self.comm.launch_broadcast(ptr, count, nccl_dtype, root, self.nccl_stream.handle,
                                    timeout)
         self._launched.append(nbytes)
         if len(self._launched) == 1:
             self._marks[0].record(self.nccl_stream)
-        self._inflight.append(_InFlight(self._record(self.nccl_stream), keep))
+        self._inflight.append(_InFlight(self._record(self.nccl_stream), keep, spare))
         check()
 
     def _slots(self, count: int, size: int) -> None:
@@ -208,34 +215,62 @@ class Broadcaster:
             del sources
         self.drain(timeout, check)
 
-    def produced(self, chunks: Sequence[Chunk], make: Get, root: int, *,
-                 timeout: float | None, check: Check) -> None:
-        """Broadcast chunks whose bytes XLA writes (``packing.py``): ``make(k)``
-        returns chunk ``k`` dispatched, not waited for.
+    def produced(self, chunks: Sequence[Chunk], make: Make, root: int, *,
+                 timeout: float | None, check: Check, reuse: bool = False) -> None:
+        """Broadcast chunks whose bytes XLA writes (``packing.py``): ``make(k,
+        spare)`` returns chunk ``k`` dispatched, not waited for.
 
         Chunks are made ahead of their broadcast while fewer than
-        ``num_buffers`` are alive (made or in flight), so XLA packs the next
-        chunk while NCCL sends this one, and the extra memory stays within
-        the slots' bound. The host waits once per chunk, for XLA's result.
+        ``num_buffers`` are alive (made, in flight, or spare), so XLA packs
+        the next chunk while NCCL sends this one, and the extra memory stays
+        within the slots' bound. The host waits once per chunk, for XLA's
+        result. With ``reuse``, each chunk of several tensors becomes, once
+        its broadcast is done, a ``spare``: handed to ``make`` for a later
+        chunk of the same size (or the next push's), which writes into it
+        in place instead of allocating. Without, ``spare`` is always None.
         """
         self._begin()
         ahead: deque[jax.Array] = deque()
         made = 0
-        for c in chunks:
-            while made < len(chunks) and len(ahead) + len(self._inflight) < self.num_buffers:
-                ahead.append(make(made))
-                made += 1
-            if not ahead:  # every buffer is in a broadcast: free the oldest first
+
+        def spare_for(k: int) -> jax.Array | None:
+            c = chunks[k]
+            return None if c.single else next(
+                (a for a in self._spares if a.nbytes == c.nbytes), None)
+
+        def can_make() -> bool:
+            alive = len(ahead) + len(self._inflight) + len(self._spares)
+            return made < len(chunks) and (alive < self.num_buffers
+                                           or spare_for(made) is not None)
+
+        def free_one() -> None:
+            """Make room for one buffer: drop a spare no chunk left needs, else
+            wait for the oldest broadcast, else drop the spare needed last."""
+            needed = [c.nbytes for c in chunks[made:] if not c.single]
+            useless = [a for a in self._spares if a.nbytes not in needed]
+            if useless or not self._inflight:
+                drop = useless[0] if useless else max(
+                    self._spares, key=lambda a: needed.index(a.nbytes))
+                self._spares = [a for a in self._spares if a is not drop]
+            else:
                 self._retire_oldest(timeout, check)
-                ahead.append(make(made))
-                made += 1
+
+        for c in chunks:
+            while not ahead or can_make():
+                if can_make():
+                    spare = spare_for(made)
+                    self._spares = [a for a in self._spares if a is not spare]
+                    ahead.append(make(made, spare))
+                    made += 1
+                else:
+                    free_one()
             arr = ahead.popleft()
             t = time.perf_counter()
             cuda.poll_until(arr.is_ready, timeout, check=check, on_timeout=lambda: TimeoutError(
                 f"XLA did not finish packing a chunk within {timeout}s"))
             self.host_s += time.perf_counter() - t
             self._launch(buffer_pointer(arr), c.nbytes, UINT8, root, c.nbytes, [arr], timeout,
-                         check)
+                         check, arr if reuse and not c.single else None)
         self.drain(timeout, check)
 
     def unpacked(self, metas: Sequence[TensorMeta], get: Get, root: int, *,

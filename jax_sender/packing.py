@@ -115,10 +115,23 @@ def chunk_writer(paths: tuple[Any, ...], transform: Transform, metas: tuple[Tens
     return jax.jit(write, donate_argnums=0)
 
 
-def chunk_buffer(chunk: Chunk, metas: Sequence[TensorMeta], device: jax.Device) -> jax.Array:
-    """A fresh buffer for ``chunk_writer``: the chunk's bytes as its words."""
-    unit = unit_of(metas[chunk.start:chunk.stop])
-    return jnp.zeros((chunk.nbytes // jnp.dtype(unit).itemsize,), unit, device=device)
+def write_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
+                arrays: Sequence[jax.Array], transform: Transform, device: jax.Device,
+                buffer: jax.Array | None = None) -> jax.Array:
+    """Chunk ``chunk``'s bytes, dispatched (not waited for), as ``pack_chunk``
+    but written in place: into ``buffer`` (donated) when it holds as many
+    words of the chunk's unit, else into a fresh buffer. A chunk
+    ``chunk_writer`` cannot write is packed by ``pack_chunk``; whether the
+    result may be written into again is ``writable(chunk, metas)``."""
+    if not writable(chunk, metas):
+        return pack_chunk(chunk, metas, paths, arrays, transform)
+    span = slice(chunk.start, chunk.stop)
+    unit = unit_of(metas[span])
+    words = chunk.nbytes // jnp.dtype(unit).itemsize
+    if buffer is None or buffer.shape != (words,) or buffer.dtype != unit:
+        buffer = jnp.zeros((words,), unit, device=device)
+    write = chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets)
+    return write(buffer, list(arrays[span]))
 
 
 def pack_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],

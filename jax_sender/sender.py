@@ -47,7 +47,7 @@ from .group import (
     turn_updates,
 )
 from .naming import Mapping, identity
-from .packing import chunk_buffer, chunk_writer, pack_chunk, packable, unit_of, writable
+from .packing import packable, writable, write_chunk
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import PendingSend, SendStats
 from .routes import ProcessGroup, SingleProcess, sender_device
@@ -161,44 +161,35 @@ class WeightSender(BaseSender):
 
     def _write_chunks(self, turn: TurnUpdate, sources: list[tuple[Any, Any]]
                       ) -> list[jax.Array]:
-        """Every chunk of ``turn``, dispatched: a chunk of several tensors is
-        written into the buffer the last asynchronous push used for it
-        (donated, so nothing is allocated; ``packing.chunk_writer``); a
-        chunk of one tensor is that tensor's transformed copy. Called only
-        once the previous push is over: its broadcasts read those buffers."""
+        """Every chunk of ``turn``, dispatched, each written into the buffer
+        the last asynchronous push used for it (donated, so nothing is
+        allocated; ``packing.write_chunk``). Called only once that push is
+        over: its broadcasts read those buffers."""
         paths = [sources[i][0] for i in turn.turn.params]
         arrays = [sources[i][1] for i in turn.turn.params]
-        transform = self.mapping.transform
         kept, self._staging = self._staging, {}  # a buffer once donated is gone
         out = []
         for k, c in enumerate(turn.chunks):
-            if not writable(c, turn.metas):
-                out.append(pack_chunk(c, turn.metas, paths, arrays, transform))
-                continue
-            span = slice(c.start, c.stop)
-            buffer = kept.get(k)
-            if (buffer is None or buffer.nbytes != c.nbytes
-                    or buffer.dtype != unit_of(turn.metas[span])):
-                buffer = chunk_buffer(c, turn.metas, self.device)
-            write = chunk_writer(tuple(paths[span]), transform, tuple(turn.metas[span]),
-                                 c.offsets)
-            self._staging[k] = write(buffer, list(arrays[span]))
-            out.append(self._staging[k])
+            out.append(write_chunk(c, turn.metas, paths, arrays, self.mapping.transform,
+                                   self.device, kept.get(k)))
+            if writable(c, turn.metas):
+                self._staging[k] = out[-1]
         return out
 
     def _packs(self, turn: TurnUpdate, metas: list[TensorMeta],
-               sources: list[tuple[Any, Any]]) -> Callable[[int], jax.Array]:
-        """``make(k)``: chunk ``k`` of ``turn`` packed by XLA, dispatched
-        (``packing.py``). A chunk of one tensor is the transform's output itself."""
+               sources: list[tuple[Any, Any]]) -> Callable[[int, jax.Array | None], jax.Array]:
+        """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
+        written into ``spare`` when it fits (``packing.write_chunk``). A chunk
+        of one tensor is the transform's output itself."""
         paths = [sources[i][0] for i in turn.turn.params]
         arrays = [sources[i][1] for i in turn.turn.params]
         transform = self.mapping.transform
 
-        def make(k: int) -> jax.Array:
+        def make(k: int, spare: jax.Array | None) -> jax.Array:
             c = turn.chunks[k]
             if c.single:  # broadcast from the transform's output
                 return self._checked(metas, sources, turn.turn.params[c.start])
-            return pack_chunk(c, turn.metas, paths, arrays, transform)
+            return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
         return make
 
     def _turns_of(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
@@ -284,10 +275,11 @@ class WeightSender(BaseSender):
                 params_ = t.turn.params
                 mine = lambda j: get(params_[j])  # noqa: E731
                 if snapshot is not None and snapshot.chunks:
-                    b.produced(t.chunks, get, t.turn.src, timeout=timeout, check=check)
+                    b.produced(t.chunks, lambda k, _: get(k), t.turn.src, timeout=timeout,
+                               check=check)
                 elif by_xla and packable(t.chunks):
                     b.produced(t.chunks, self._packs(t, metas, sources),
-                               t.turn.src, timeout=timeout, check=check)
+                               t.turn.src, timeout=timeout, check=check, reuse=True)
                 elif packed:
                     b.packed(t.metas, t.chunks, mine, t.turn.src, timeout=timeout, check=check,
                              temporaries=temporaries)

@@ -219,8 +219,9 @@ def _flax_to_torch(path, x):
 def async_donation(url: str) -> None:
     """send(wait=False), then at once a step that donates the parameters and
     overwrites them: the push still delivers them as they were when sent.
-    Then the same through a transform (its chunks packed by XLA), and a
-    blocking push with it."""
+    Then the same through a transform (its chunks packed by XLA), and two
+    blocking pushes with it (the second writes its chunks into the buffers
+    the first broadcast)."""
     import jax
 
     from jax_sender import Mapping, PendingSend, SendConfig, WeightSender
@@ -232,7 +233,7 @@ def async_donation(url: str) -> None:
         for i in range(3):
             pairs = _test_tensors(20 + i)
             want = _checksums([(n, transform((n,), a)) for n, a in pairs], 1)  # as sent
-            wait = transform is not identity and i == 2
+            wait = transform is not identity and i >= 1
             t = time.perf_counter()
             pending = sender.send(pairs, weight_version=f"v{i}", wait=wait)
             returned = time.perf_counter() - t

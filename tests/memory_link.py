@@ -82,11 +82,11 @@ class MemoryBroadcaster:
             assert len(data) == c.nbytes
             self._put(root, data, check)
 
-    def produced(self, chunks, make, root, *, timeout, check) -> None:
+    def produced(self, chunks, make, root, *, timeout, check, reuse=False) -> None:
         self.started = 0.0
         self.passes.append("xla")
         for k, c in enumerate(chunks):
-            data = np.asarray(make(k)).tobytes()
+            data = np.asarray(make(k, None)).tobytes()
             assert len(data) == c.nbytes
             self._put(root, data, check)
 

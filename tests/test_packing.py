@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jax_sender.naming import identity
-from jax_sender.packing import as_units, chunk_packer, unit_of
-from jax_sender.plan import TensorMeta, plan_chunks
+from jax_sender.packing import as_units, chunk_packer, pack_chunk, unit_of, writable, write_chunk
+from jax_sender.plan import Chunk, TensorMeta, plan_chunks
 
 DTYPES = ["int8", "uint8", "int32", "float16", "float32", "bfloat16", "float8_e4m3fn"]
 
@@ -52,3 +52,37 @@ def test_a_transform_that_disagrees_with_its_metadata_is_refused_while_tracing()
     with pytest.raises(MetadataError, match=r"'b': the transform gave float32 \(4,\), but "
                                             r"bfloat16 \(4,\) was declared"):
         packer([jnp.zeros(3), jnp.zeros(4, jnp.bfloat16)])
+
+
+def test_a_chunk_written_in_place_is_the_packed_chunk_in_the_buffer_it_was_given():
+    """``write_chunk`` writes the same words as ``pack_chunk``, transform
+    included, into the donated buffer it is handed when that buffer fits,
+    and into a fresh one when it does not."""
+    transpose = lambda path, x: x.T if x.ndim == 2 else x  # noqa: E731
+    arrays = [sample("bfloat16", (6, 4), 1), sample("float32", (7,), 2),
+              sample("float16", (3, 2), 3)]
+    metas = tuple(TensorMeta(f"t{i}", str(a.dtype), transpose(None, a).shape)
+                  for i, a in enumerate(arrays))
+    (chunk,) = plan_chunks(metas, 1 << 20)
+    paths = [(m.name,) for m in metas]
+    device = jax.devices()[0]
+    want = np.asarray(pack_chunk(chunk, metas, paths, arrays, transpose)).tobytes()
+    first = write_chunk(chunk, metas, paths, arrays, transpose, device)
+    assert np.asarray(first).tobytes() == want and writable(chunk, metas)
+    where = first.unsafe_buffer_pointer()
+    again = [sample("bfloat16", (6, 4), 4), *arrays[1:]]
+    second = write_chunk(chunk, metas, paths, again, transpose, device, first)
+    assert first.is_deleted() and second.unsafe_buffer_pointer() == where
+    assert np.asarray(second).tobytes() == np.asarray(
+        pack_chunk(chunk, metas, paths, again, transpose)).tobytes()
+    small = jnp.zeros(3, jnp.uint16)
+    third = write_chunk(chunk, metas, paths, arrays, transpose, device, small)
+    assert np.asarray(third).tobytes() == want and not small.is_deleted()
+
+
+def test_only_chunks_of_several_tensors_with_int32_word_offsets_are_written_in_place():
+    one = TensorMeta("a", "float32", (4,))
+    assert not writable(Chunk(0, 1, 16, (0,)), [one])
+    assert writable(Chunk(0, 2, 32, (0, 16)), [one, one])
+    huge = [TensorMeta("a", "int8", (2**31,)), TensorMeta("b", "int8", (1,))]
+    assert not writable(Chunk(0, 2, 2**31 + 1, (0, 2**31)), huge)
