@@ -27,7 +27,8 @@ class SendConfig:
     bounds ``reconnect()``. ``staging_bytes`` bounds the device memory an
     asynchronous send (``send(wait=False)``) may take to snapshot what it
     sends; a push larger than that runs blocking instead (``None``: no
-    bound, one extra copy of the pushed bytes).
+    bound, one extra copy of the pushed bytes, which a packed sender keeps
+    for its next asynchronous push).
     """
 
     packed: bool = True

@@ -1,20 +1,19 @@
-"""Packed chunks built by XLA: a chunk's transforms, byte views and
-concatenation in one jitted call.
+"""Packed chunks built by XLA: a chunk's transforms and byte views, written
+in place into the chunk's buffer, in one jitted call.
 
 Why: with a transform (Flax ``(in, out)`` kernels to torch's ``(out, in)``),
 packing tensor by tensor costs a dispatch, a host wait and a copy per
-tensor. One jitted call per chunk writes the transformed bytes straight into
-the chunk's buffer, as vLLM's consumer reads it: one launch, no staging
-copy, one host wait per chunk. The same calls are the asynchronous push's
-snapshot: the copies it has to make anyway, already laid out for the wire,
-so the push in the background only broadcasts.
-
-The asynchronous push writes its chunks into buffers it keeps between
-pushes instead (``chunk_writer``): each tensor's transformed bytes go in
-place, at their offset, into a donated buffer. Its snapshot runs before
-the trainer's next step, so its speed is the step's: one 1 GB chunk of 91
-tensors took 2.2 ms concatenated and 1.5 ms written in place (dispatch and
-GPU, H200), and nothing is allocated per push.
+tensor. One jitted call per chunk (``chunk_writer``) writes each tensor's
+transformed bytes at its offset in the chunk's buffer, as vLLM's consumer
+reads it: one launch, no staging copy, one host wait per chunk. The buffer
+is donated to the call, so XLA writes into memory it already has instead
+of allocating: a blocking push's chunk buffers are written again once their
+broadcasts are done, an asynchronous push's by the next asynchronous push.
+The same calls are the asynchronous push's snapshot (the copies it has to
+make anyway, already laid out for the wire), which runs before the
+trainer's next step, so its speed is the step's: one 1 GB chunk of 91
+tensors took 2.2 ms concatenated (``chunk_packer``, which a chunk of one
+tensor still uses) and 1.5 ms written in place (dispatch and GPU, H200).
 """
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ from jax import lax
 
 from .plan import Chunk, TensorMeta
 
-# Tensors per jitted chunk at most: compiling a concatenation grows faster
-# than linearly with its inputs (about 0.25 s for 256, 8 s for 4,096); a
-# chunk of more tensors is packed by copies instead (``Broadcaster.packed``).
+# Tensors per jitted chunk at most: compiling one call grows faster than
+# linearly with its inputs (a concatenation: about 0.25 s for 256, 8 s for
+# 4,096); a chunk of more tensors is packed by copies instead
+# (``Broadcaster.packed``).
 MAX_TENSORS = 256
 
 Transform = Callable[[Any, Any], Any]
@@ -40,8 +40,8 @@ Transform = Callable[[Any, Any], Any]
 def unit_of(metas: Sequence[TensorMeta]) -> Any:
     """The widest of uint32, uint16 and uint8 that divides every tensor's bytes.
 
-    XLA's concatenation costs per element: one 1 GB chunk of bfloat16
-    tensors takes 5.3 ms as bytes and 1.6 ms as 32-bit words on an H200 (a
+    XLA's copies cost per element: one 1 GB chunk of bfloat16 tensors took
+    5.3 ms to concatenate as bytes and 1.6 ms as 32-bit words on an H200 (a
     chunk's offsets are then multiples of the unit too). 64-bit words would
     need JAX's x64 mode."""
     for unit in (jnp.uint32, jnp.uint16):
