@@ -883,6 +883,10 @@ def _train_report(data: dict) -> list[str]:
                   f"copy) is {add('snapshot') * 1e3:.2f} ms; the other "
                   f"{(add('async') - add('snapshot')) * 1e3:.2f} ms is the push running beside "
                   "the training step: its broadcast on the GPU, its thread on the host."]
+    if "async" in rows:
+        lines += [f"Its extra device memory is its snapshot, one copy of the pushed bytes on "
+                  f"the trainer's GPU ({rows['async']['bytes'] / 1e9:.2f} GB), kept for the "
+                  "next asynchronous push."]
     if "beside" in rows:
         j = rows["beside"]
         alone, beside = statistics.median(j["none"]), statistics.median(j["step"])

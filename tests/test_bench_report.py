@@ -75,7 +75,9 @@ def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
      "adds 0.22 x what the blocking push adds to a step, 0.15 x what vLLM's torch sender adds",
      "its snapshot (dispatch and copy) is 2.23 ms; the other 0.76 ms is the push running beside "
      "the training step: its broadcast on the GPU, its thread on the host.",
-     "the step takes 25.92 ms against 24.29 ms without it, +1.63 ms: the broadcast's own cost"],
+     "the step takes 25.92 ms against 24.29 ms without it, +1.63 ms: the broadcast's own cost",
+     "Its extra device memory is its snapshot, one copy of the pushed bytes on the trainer's "
+     "GPU (0.98 GB), kept for the next asynchronous push."],
 ], ids=["fixed cost", "slow link", "training loop"])
 def test_each_stage_sits_beside_its_baselines(tmp_path, rows):
     table = _redraw(RUN, tmp_path)

@@ -2,6 +2,9 @@
 broadcasts run, failures on each route, metadata reuse, asynchronous pushes.
 The transport is in memory (``memory_link.py``); everything else is real."""
 
+import os
+import signal
+import threading
 import time
 
 import jax
@@ -249,6 +252,34 @@ def test_close_cancels_a_push_in_flight():
     with pytest.raises(SendError, match=r"cancelled \(close\(\)\)"):
         pending.result(timeout=5)
     assert sender.connection.comm.aborted and caster.closed
+
+
+def test_ctrl_c_while_waiting_on_an_asynchronous_push_cancels_it():
+    """As during a blocking send: the KeyboardInterrupt propagates, the push
+    stops and aborts its communicator, and the sender refuses to push again
+    before reconnect() (a worker left mid-update may need its server
+    restarted, see docs/failures.md)."""
+    sender, (server,), _ = memory_sender(SMALL, delay_s=0.3)
+    pending = sender.send(params(1), wait=False)
+    threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pending.result(timeout=20)
+    assert time.monotonic() - t < 2.0
+    assert pending.done() and sender.connection.comm.aborted
+    assert "KeyboardInterrupt" in sender.broken
+    with pytest.raises(SendError, match="call reconnect"):
+        sender.send(params(2))
+    assert server.routes().count("/start_weight_update") == 1
+
+
+def test_reconnect_with_an_asynchronous_push_in_flight_lets_it_finish_first():
+    sender, (server,), _ = memory_sender(SMALL, delay_s=0.05)
+    pending = sender.send(params(1), wait=False)
+    sender.reconnect()
+    assert pending.done() and pending.result().tensors == 5
+    sender.send(params(2), wait=False).result(timeout=20)
+    assert held(server) == expected(params(2))
 
 
 def test_staging_bound_too_small_falls_back_to_a_blocking_push():
