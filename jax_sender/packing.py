@@ -12,8 +12,9 @@ broadcasts are done, an asynchronous push's by the next asynchronous push.
 The same calls are the asynchronous push's snapshot (the copies it has to
 make anyway, already laid out for the wire), which runs before the
 trainer's next step, so its speed is the step's: one 1 GB chunk of 91
-tensors took 2.2 ms concatenated (``chunk_packer``, which a chunk of one
-tensor still uses) and 1.5 ms written in place (dispatch and GPU, H200).
+tensors took 2.2-2.7 ms concatenated (``chunk_packer``, which a chunk of one
+tensor still uses) and 1.5-1.6 ms written in place (dispatch and GPU,
+H200, two runs).
 """
 
 from __future__ import annotations
