@@ -191,25 +191,31 @@ def role_seq(urls: str, jobs: str) -> None:
                    tensors=stats[0].tensors))
 
 
+# A floor's mode, and the mode of the pushes it bounds.
+FLOORS = {"prepacked": "packed", "preplaced": "unpacked"}
+
+
 def _config(job: dict):
     from jax_sender import SendConfig
-    return SendConfig(packed=job["mode"] in ("packed", "prepacked"),
+    return SendConfig(packed=FLOORS.get(job["mode"], job["mode"]) == "packed",
                       buffer_size_bytes=job["buffer"], num_buffers=job["nbuf"])
 
 
-def _prepacked_sender(url: str, config):
-    """A sender whose chunks are already packed: each is broadcast from one
-    staging buffer as it is, with no copies and no reads of the arrays. Its
-    push is what vLLM's consumer takes when the sender costs nothing but its
+def _floor_sender(url: str, config):
+    """A sender that does no work of its own: packed, each chunk is broadcast
+    from one staging buffer as it is, with no copies; unpacked, each tensor
+    from that buffer, in its own dtype; the arrays are never read. Its push
+    is what vLLM's consumer takes when the sender costs nothing but its
     launches, a floor for any sender; the workers load garbage."""
     import jax
 
     from jax_sender import WeightSender
     from jax_sender.packer import UINT8, Broadcaster
     from jax_sender.routes import SingleProcess
+    from nccl_cffi.dtypes import NCCL_TYPES
     from uniqueid import as_clients
 
-    class Prepacked(Broadcaster):
+    class Floor(Broadcaster):
         def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True):
             self._begin()
             self.arena.ensure(max(c.nbytes for c in chunks))
@@ -219,11 +225,20 @@ def _prepacked_sender(url: str, config):
                              check)
             self.drain(timeout, check)
 
+        def unpacked(self, metas, get, root, *, timeout, check):
+            self._begin()
+            self.arena.ensure(max(m.nbytes for m in metas))
+            for m in metas:  # the window of Broadcaster.unpacked
+                self._window(max(self.num_buffers, 8), timeout, check)
+                self._launch(self.arena.ptr, m.numel, NCCL_TYPES[m.dtype][0], root, m.nbytes,
+                             [], timeout, check)
+            self.drain(timeout, check)
+
     dev = jax.devices()[0]
     route = SingleProcess(as_clients(url), dev.local_hardware_id, config)
     return WeightSender(route.form(config.init_timeout_s), route, config=config, device=dev,
-                        broadcaster=lambda conn: Prepacked(conn.comm, dev, config.buffer_size_bytes,
-                                                           config.num_buffers))
+                        broadcaster=lambda conn: Floor(conn.comm, dev, config.buffer_size_bytes,
+                                                       config.num_buffers))
 
 
 def role_jax(url: str, jobs: str) -> None:
@@ -244,7 +259,7 @@ def role_jax(url: str, jobs: str) -> None:
             if sender is not None:
                 sender.close()
             geometry = (job["mode"], _config(job))
-            sender = (_prepacked_sender(servers, geometry[1]) if job["mode"] == "prepacked"
+            sender = (_floor_sender(servers, geometry[1]) if job["mode"] in FLOORS
                       else WeightSender.connect(servers, config=geometry[1]))
         base = dev.memory_stats()["bytes_in_use"]
         stats, wall = [], []
@@ -721,7 +736,7 @@ def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
         _job("qwen3-8b", "packed", reps, b * MiB, n)
         for b in (64, 256, 512, 1024, 2048) for n in (1, 2, 3) if (b, n) != (1024, 2)]
     extra = [] if quick else [_job("many-small", "packed", reps), _job("large", "packed", reps)]
-    floors = [_job("qwen3-8b", "prepacked", reps)] + (
+    floors = [_job("qwen3-8b", "prepacked", reps), _job("qwen3-8b", "preplaced", reps)] + (
         [] if quick else [_job("many-small", "prepacked", reps)])
     with _server("1", vllm) as url:
         data["ours"] = _one("role_jax", url, json.dumps(main + sweep + extra + floors))
@@ -973,11 +988,11 @@ def _dense_report(data: dict, raw: float) -> list[str]:
              "| figure | median s | best s | median GB/s | ratio | notes |",
              "| --- | --- | --- | --- | --- | --- |"]
     torch_rows = {(j["workload"], j["mode"]): j for j in data.get("torch", [])}
-    floors = {j["workload"]: j for j in data["ours"] if j["mode"] == "prepacked"}
+    floors = {(j["workload"], FLOORS[j["mode"]]): j for j in data["ours"] if j["mode"] in FLOORS}
     for j in data["ours"]:
         default = (j["buffer"], j["nbuf"]) == (GiB, 2)
         if ((j["workload"] == "qwen3-8b" and not default) or j["workload"] == "tiny"
-                or j["mode"] == "prepacked"):
+                or j["mode"] in FLOORS):
             continue  # in the sweep table, the fixed-cost one, or under its push
         label = f"{j['mode']} send {j['workload']} -> {target}"
         note = (f"{j['tensors']} tensors, {j['chunks']} "
@@ -1001,13 +1016,15 @@ def _dense_report(data: dict, raw: float) -> list[str]:
             theirs = t["bytes"] / statistics.median(t["transfer"]) / 1e9
             lines.append(_row("  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
                               f"ratio to raw; ours / torch = {ours / theirs:.2f}"))
-        f = floors.get(j["workload"]) if j["mode"] == "packed" else None
+        f = floors.get((j["workload"], j["mode"]))
         if f:
             floor = statistics.median(f["transfer"])
             note = f"time / floor: ours {statistics.median(j['transfer']) / floor:.2f}"
             if t:
                 note += f", torch {statistics.median(t['transfer']) / floor:.2f}"
-            lines.append(_row("  floor: chunks already packed, no sender work", f["bytes"],
+            what = ("chunks already packed" if j["mode"] == "packed"
+                    else "each tensor from one buffer")
+            lines.append(_row(f"  floor: {what}, no sender work", f["bytes"],
                               f["transfer"], raw, note + "; ratio to raw"))
     init = data["init"]
     lines += ["", "| init + warm-up, 2 ranks, no HTTP | median ms | best ms | ratio |",

@@ -50,6 +50,19 @@ def test_the_floor_sits_under_each_packed_push(tmp_path):
     assert table.count("floor: chunks") == 2  # qwen3-8b and many-small, not unpacked or large
 
 
+def test_the_unpacked_floor_sits_under_the_unpacked_push(tmp_path):
+    """Each tensor broadcast from one buffer with no sender work, under the
+    unpacked pushes, both senders against it (the floor's figures made up
+    here: the committed run has no unpacked floor)."""
+    data = json.loads((ROOT / RUN).read_text())
+    unpacked = next(j for j in data["ours"] if j["mode"] == "unpacked")
+    data["ours"].append(dict(unpacked, mode="preplaced", transfer=[0.0530, 0.0531, 0.0529]))
+    table = _redraw(data, tmp_path)
+    assert ("|   floor: each tensor from one buffer, no sender work | 0.0530 | 0.0529 | 309.1 "
+            "| 0.85 | time / floor: ours 1.01, torch 1.00; ratio to raw |") in table
+    assert table.count("floor: chunks") == 2 and table.count("no sender work") == 3
+
+
 def test_sparse_rows_sit_beside_the_same_runs_dense_baselines(tmp_path):
     table = _redraw(RUN, tmp_path)
     for row in ("vLLM 0.33.0 sparse_nccl engine",
