@@ -53,6 +53,11 @@ class HTTPError(Exception):
         self.status = status
 
 
+def rpc_failed(message: str) -> HTTPError:
+    """vLLM's 500 for an error raised inside its workers' RPC."""
+    return HTTPError(500, f"Call to collective_rpc method failed: {message}")
+
+
 def _error_body(status: int, message: str) -> dict[str, Any]:
     kind = "BadRequestError" if status < 500 else "InternalServerError"
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
@@ -81,7 +86,7 @@ class Workers:
                     continue
                 (results if status == "ok" else errors).append(value)
         if errors:
-            raise HTTPError(500, f"Call to collective_rpc method failed: {errors[0]}")
+            raise rpc_failed(errors[0])
         return results
 
     def stop(self) -> None:
@@ -216,23 +221,21 @@ def build_app(state: "State") -> Any:
             if parsed.use_load_plan:
                 LoadPlan.from_payload(parsed.metadata)
         except (ValueError, TypeError) as e:
-            raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
+            raise rpc_failed(str(e)) from e
         await run_in_threadpool(w.call, "init", info)
         return {"message": "Weight transfer initialized"}
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> dict[str, Any]:
         if state.active:
-            raise HTTPError(500, "Call to collective_rpc method failed: "
-                                 "cannot shut down during an active weight update")
+            raise rpc_failed("cannot shut down during an active weight update")
         await run_in_threadpool(w.call, "shutdown")
         return {"message": "Weight transfer shut down"}
 
     @app.post("/start_weight_update")
     async def start_weight_update() -> dict[str, Any]:
         if state.active:
-            raise HTTPError(500, "Call to collective_rpc method failed: "
-                                 "start_weight_update called while an update is active")
+            raise rpc_failed("start_weight_update called while an update is active")
         state.active = True
         return {"message": "Weight update started"}
 
@@ -242,15 +245,14 @@ def build_app(state: "State") -> Any:
         if isinstance(info, list):
             info = info[0] if info else {}
         if not state.active:
-            raise HTTPError(500, "Call to collective_rpc method failed: "
-                                 "start_weight_update must be called before update_weights.")
+            raise rpc_failed("start_weight_update must be called before update_weights.")
         sparse = state.backend == "sparse_nccl"
         try:
             (SparseUpdateInfo if sparse else UpdateInfo).from_payload(info)
             await run_in_threadpool(w.call, "receive_sparse" if sparse else "receive", info)
         except (ValueError, TypeError) as e:
             state.active = False  # vLLM drops the session without finishing it
-            raise HTTPError(500, f"Call to collective_rpc method failed: {e}") from e
+            raise rpc_failed(str(e)) from e
         except HTTPError:
             state.active = False
             raise
@@ -260,8 +262,8 @@ def build_app(state: "State") -> Any:
     async def finish_weight_update(request: Request) -> dict[str, Any]:
         version = _body(await request.body(), "weight_version", required=False)
         if not state.active:
-            raise HTTPError(500, "Call to collective_rpc method failed: finish_weight_update "
-                                 "called without a matching start_weight_update")
+            raise rpc_failed("finish_weight_update called without a matching "
+                             "start_weight_update")
         state.active = False
         if version is not None:
             state.version = version
