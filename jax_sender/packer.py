@@ -13,7 +13,9 @@ the JAX buffer, with no copy. At most ``num_buffers`` broadcasts are in
 flight. Extra device memory: ``num_buffers`` x the largest multi-tensor
 chunk (each at most the buffer size plus its last tensor), as vLLM's own
 packed sender allocates. Chunks that XLA packs itself (``packing.py``) are
-broadcast from XLA's output instead (``produced``), within the same bound.
+broadcast from XLA's output instead (``produced``), within the same bound:
+XLA writes each into a buffer whose broadcast is done, kept from push to
+push.
 
 Ordering with JAX: every source array is ready before its pointer is used
 (the caller's ``get`` waits for it), and stays referenced until the work
