@@ -153,41 +153,39 @@ class WeightSender(BaseSender):
         if (bound is not None and nbytes > bound) or not self._on_device(sources):
             return None
         if self.info.packed and packable(turn.chunks):
-            return Snapshot(self._write_chunks(turn, sources), chunks=True)
+            return Snapshot(self._write_chunks(turn, metas, sources), chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
         return Snapshot(_copier(tuple(p for p, _ in sources), self.mapping.transform)(
             [a for _, a in sources]), chunks=False)
 
-    def _write_chunks(self, turn: TurnUpdate, sources: list[tuple[Any, Any]]
-                      ) -> list[jax.Array]:
+    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
+                      sources: list[tuple[Any, Any]]) -> list[jax.Array]:
         """Every chunk of ``turn``, dispatched, each written into the buffer
         the last asynchronous push used for it (donated, so nothing is
-        allocated; ``packing.write_chunk``). Called only once that push is
-        over: its broadcasts read those buffers."""
-        paths = [sources[i][0] for i in turn.turn.params]
-        arrays = [sources[i][1] for i in turn.turn.params]
+        allocated). Called only once that push is over: its broadcasts read
+        those buffers."""
+        make = self._packs(turn, metas, sources, copy=True)
         kept, self._staging = self._staging, {}  # a buffer once donated is gone
-        out = []
-        for k, c in enumerate(turn.chunks):
-            out.append(write_chunk(c, turn.metas, paths, arrays, self.mapping.transform,
-                                   self.device, kept.get(k)))
-            if writable(c, turn.metas):
-                self._staging[k] = out[-1]
+        out = [make(k, kept.get(k)) for k in range(len(turn.chunks))]
+        self._staging = {k: a for k, (c, a) in enumerate(zip(turn.chunks, out))
+                         if writable(c, turn.metas)}
         return out
 
     def _packs(self, turn: TurnUpdate, metas: list[TensorMeta],
-               sources: list[tuple[Any, Any]]) -> Callable[[int, jax.Array | None], jax.Array]:
+               sources: list[tuple[Any, Any]], *, copy: bool = False
+               ) -> Callable[[int, jax.Array | None], jax.Array]:
         """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
         written into ``spare`` when it fits (``packing.write_chunk``). A chunk
-        of one tensor is the transform's output itself."""
+        of one tensor is the transform's output itself, unless ``copy`` (a
+        snapshot must not share the caller's arrays)."""
         paths = [sources[i][0] for i in turn.turn.params]
         arrays = [sources[i][1] for i in turn.turn.params]
         transform = self.mapping.transform
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:
             c = turn.chunks[k]
-            if c.single:  # broadcast from the transform's output
+            if c.single and not copy:  # broadcast from the transform's output
                 return self._checked(metas, sources, turn.turn.params[c.start])
             return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
         return make
