@@ -20,7 +20,7 @@ import pytest
 
 from jax_sender import packer
 from jax_sender.packing import write_chunk
-from jax_sender.plan import TensorMeta, plan_chunks
+from jax_sender.plan import Chunk, TensorMeta, plan_chunks
 
 
 class FakeComm:
@@ -94,39 +94,46 @@ def transpose(path, x):
     return x.T if x.ndim == 2 else x
 
 
-def push(b: packer.Broadcaster, comm: FakeComm, seed: int) -> set[int]:
-    """Six chunks of three tensors each (transposed), through ``produced``
-    with reuse; checks each broadcast's bytes and the buffers alive; returns
-    the chunks' addresses."""
-    arrays = [a for i in range(6) for a in layer(10 * seed + i)]
-    metas = [TensorMeta(f"t{i}", str(a.dtype), transpose(None, a).shape)
+def push(b: packer.Broadcaster, comm: FakeComm, arrays: list[jax.Array], transform
+         ) -> list[tuple[int, Chunk]]:
+    """``arrays`` (``transform`` applied) through ``produced`` with reuse, in
+    chunks of 4 KiB, a lone tensor broadcast from the transform's output as
+    the sender does; checks each broadcast's bytes and the buffers alive;
+    returns each chunk's address with the chunk."""
+    metas = [TensorMeta(f"t{i}", str(a.dtype), transform(None, a).shape)
              for i, a in enumerate(arrays)]
     paths = [(m.name,) for m in metas]
     chunks = plan_chunks(metas, 4096)
-    assert len(chunks) == 6 and not any(c.single for c in chunks)
     alive = []
 
     def make(k, spare):
         alive.append(comm.in_flight() + len(b._spares) + 1)
-        return write_chunk(chunks[k], metas, paths, arrays, transpose, jax.devices("cpu")[0],
+        if chunks[k].single:
+            return transform(None, arrays[chunks[k].start])
+        return write_chunk(chunks[k], metas, paths, arrays, transform, jax.devices("cpu")[0],
                            spare)
 
     start = len(comm.launched)
     b.produced(chunks, make, 0, timeout=10, check=lambda: None, reuse=True)
     sent = comm.launched[start:]
-    want = [np.concatenate([np.asarray(transpose(None, a)).reshape(-1).view(np.uint8)
+    want = [np.concatenate([np.asarray(transform(None, a)).reshape(-1).view(np.uint8)
                             for a in arrays[c.start:c.stop]]).tobytes() for c in chunks]
     assert [data for _, data in sent] == want
     assert max(alive) <= b.num_buffers
-    return {ptr for ptr, _ in sent}
+    return [(ptr, c) for (ptr, _), c in zip(sent, chunks)]
 
 
 def test_produced_reuses_its_buffers_never_while_they_are_read(broadcaster):
-    """Three pushes: every broadcast carries its chunk's bytes, none changes
-    while in flight, at most ``num_buffers`` chunk buffers are ever alive,
-    and the later pushes write into the first push's buffers, not new ones."""
+    """Six chunks of three tensors each (transposed), pushed three times:
+    every broadcast carries its chunk's bytes, none changes while in flight,
+    at most ``num_buffers`` chunk buffers are ever alive, and the later
+    pushes write into the first push's buffers, not new ones."""
     b, comm = broadcaster
-    addresses = [push(b, comm, seed) for seed in range(3)]
+    addresses = []
+    for seed in range(3):
+        sent = push(b, comm, [a for i in range(6) for a in layer(10 * seed + i)], transpose)
+        assert len(sent) == 6 and not any(c.single for _, c in sent)
+        addresses.append({ptr for ptr, _ in sent})
     assert comm.changed == []
     assert len(addresses[0]) == b.num_buffers  # six chunks through two buffers
     assert addresses[1] == addresses[2] == addresses[0]
@@ -143,23 +150,8 @@ def test_produced_with_chunks_of_every_kind_stays_exact_and_bounded(broadcaster)
         arrays = [jax.random.normal(jax.random.PRNGKey(seed), (2000,), jnp.float32),
                   *[a for i in range(3) for a in layer(10 * seed + i)],
                   jnp.arange(5, dtype=jnp.int8)]
-        metas = [TensorMeta(f"t{i}", str(a.dtype), a.shape) for i, a in enumerate(arrays)]
-        chunks = plan_chunks(metas, 4096)
+        sent = push(b, comm, arrays, lambda path, x: x)
+        chunks = [c for _, c in sent]
         assert chunks[0].single and chunks[-1].nbytes < chunks[1].nbytes
-        alive = []
-
-        def make(k, spare, chunks=chunks, arrays=arrays, metas=metas, alive=alive):
-            alive.append(comm.in_flight() + len(b._spares) + 1)
-            if chunks[k].single:
-                return arrays[chunks[k].start]
-            return write_chunk(chunks[k], metas, [(m.name,) for m in metas], arrays,
-                               lambda p, x: x, jax.devices("cpu")[0], spare)
-
-        start = len(comm.launched)
-        b.produced(chunks, make, 0, timeout=10, check=lambda: None, reuse=True)
-        sent = comm.launched[start:]
-        assert [data for _, data in sent] == [
-            b"".join(np.asarray(a).tobytes() for a in arrays[c.start:c.stop]) for c in chunks]
-        assert max(alive) <= b.num_buffers
-        seen.append({ptr for (ptr, _), c in zip(sent, chunks) if c.nbytes == chunks[1].nbytes})
+        seen.append({ptr for ptr, c in sent if c.nbytes == chunks[1].nbytes})
     assert comm.changed == [] and seen[1] & seen[2]
