@@ -305,8 +305,6 @@ def test_a_hundred_failed_sends_and_reconnects_leave_threads_and_files_flat():
     on /update_weights, the session dropped, as vLLM does): the communicator
     is aborted and reconnect() forms a new group. Threads and file
     descriptors must not pile up."""
-    import os
-    import threading
 
     sender, (server,), caster = memory_sender(SMALL)
     server.fail["/update_weights"] = 500
