@@ -10,6 +10,7 @@ a push runs, fails, reconnects or closes.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,17 +61,47 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tupl
 
 
 def _structure(params: Any) -> tuple[Any, list[Any]] | None:
-    """A key for ``describe``'s answer (the tree's structure, names, shapes and
-    dtypes) and the leaves; None when there is no cheap key (host data)."""
+    """A key for ``describe``'s answer and the leaves; None when there is no
+    cheap key (host data). The key is the tree's structure (or the names),
+    and each leaf's aval (shape, dtype) and sharding: JAX keeps one aval and
+    one sharding object for arrays alike, so comparing two keys costs
+    little more than comparing their lengths."""
     if isinstance(params, (list, tuple)) and params and isinstance(params[0], tuple):
         names = tuple(p[0] for p in params)
         leaves = [p[1] for p in params]
         tree: Any = names
     else:
         leaves, tree = jax.tree_util.tree_flatten(params)
-    if not all(isinstance(x, jax.Array) for x in leaves):
+    try:
+        avals = tuple(map(_aval, leaves))
+        shardings = tuple(map(_sharding, leaves))
+    except AttributeError:  # not JAX arrays
         return None
-    return (tree, tuple((x.shape, x.dtype) for x in leaves)), leaves
+    return (tree, avals, shardings), leaves
+
+
+_aval = operator.attrgetter("aval")
+_sharding = operator.attrgetter("sharding")
+
+
+class Sources(list):
+    """(path, array) per tensor, and whether every array is known to be on the
+    sender's device alone (``local``; None: not known, look)."""
+
+    def __init__(self, pairs: Any = (), *, local: bool | None = None):
+        super().__init__(pairs)
+        self.local = local
+
+
+@dataclass(frozen=True)
+class _Described:
+    """``describe``'s answer for one key of ``_structure``, kept for the next
+    push with the same key."""
+
+    key: Any
+    metas: list[TensorMeta]
+    paths: list[Any]
+    local: bool  # every array on the sender's device alone
 
 
 @dataclass
@@ -82,7 +113,7 @@ class PreparedPush:
     timeout_s: float
     http_timeout_s: float
     sent: dict[int, list[TensorMeta]] = field(default_factory=dict)
-    prefetch: Callable[[], None] = lambda: None
+    ready: Callable[[], None] | None = None  # waits for the arrays read as they are
 
 
 class BaseSender:
@@ -106,7 +137,7 @@ class BaseSender:
         self.device = device or jax_device(route.device)
         self._make_broadcaster = broadcaster or self._nccl_broadcaster
         self._sent: dict[int, list[TensorMeta]] = {}  # per src: what the workers hold
-        self._described: tuple[Any, list[TensorMeta], list[Any]] | None = None
+        self._described: _Described | None = None
         self._broadcaster: Broadcaster | None = None
         self._pending: PendingSend | None = None
         self._orphans: list[PendingSend] = []  # push threads abandoned inside NCCL
@@ -136,14 +167,15 @@ class BaseSender:
         shapes and dtypes: a push of many small tensors otherwise spends more
         time describing them than sending them."""
         found = _structure(params)
-        if found is not None and self._described is not None and found[0] == self._described[0]:
-            metas, paths = self._described[1], self._described[2]
-            return metas, list(zip(paths, found[1]))
+        kept = self._described
+        if found is not None and kept is not None and found[0] == kept.key:
+            return kept.metas, Sources(zip(kept.paths, found[1]), local=kept.local)
         metas, sources = describe(params, self.mapping)
         if self.load_plan is not None:
             self.load_plan.check(metas)
         if found is not None:
-            self._described = (found[0], metas, [p for p, _ in sources])
+            self._described = _Described(found[0], metas, [p for p, _ in sources],
+                                         self._on_device(sources))
         return metas, sources
 
     def _materialize(self, path: Any, arr: Any) -> jax.Array:
@@ -163,7 +195,11 @@ class BaseSender:
         return out
 
     def _on_device(self, sources: Sequence[tuple[Any, Any]]) -> bool:
-        """Every source a JAX array on the sender's device alone (no gather needed)."""
+        """Every source a JAX array on the sender's device alone (no gather needed).
+        Known without a look at each array for what ``prepare`` just returned."""
+        known = getattr(sources, "local", None)
+        if known is not None:
+            return known
         dev = {self.device}
         return all(isinstance(a, jax.Array) and a.sharding.device_set == dev for _, a in sources)
 
@@ -198,11 +234,10 @@ class BaseSender:
 
         def work(cancelled: Callable[[], None]) -> SendStats:
             try:
-                push.prefetch()
                 run_push(push.rounds, ControlPlane(conn.clients), broadcaster,
                          timeout_s=push.timeout_s, http_timeout_s=push.http_timeout_s,
                          weight_version=weight_version, pause=pause, cancelled=cancelled,
-                         stats=push.stats)
+                         stats=push.stats, ready=push.ready)
             except BaseException as e:
                 self._fail(e, conn)
                 if isinstance(e, SendError):

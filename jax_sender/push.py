@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nccl_cffi.threads import run_in_thread
+from uniqueid import in_background
 
 from .control import ControlPlane
 from .errors import SendError
@@ -91,15 +92,25 @@ class Timed(Protocol):
 
 def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed, *,
              timeout_s: float, http_timeout_s: float, weight_version: str | None,
-             pause: str | None, cancelled: Check, stats: SendStats) -> None:
+             pause: str | None, cancelled: Check, stats: SendStats,
+             ready: Callable[[], None] | None = None) -> None:
     """Run the protocol, filling ``stats``; raises on the first failure (the
     caller aborts its communicator). ``cancelled`` raises once the push is
-    cancelled; it is polled in every wait."""
+    cancelled; it is polled in every wait.
+
+    ``ready`` waits until the arrays the broadcasts read are computed. It
+    runs on a thread of its own while ``/start_weight_update`` is answered,
+    and ``/update_weights`` is posted only once it is done: the workers then
+    never sit in NCCL waiting for the trainer's step, yet a push of
+    thousands of arrays does not pay for their readiness before it starts."""
     if pause:
         control.pause(pause)
     try:
         t1 = time.perf_counter()
+        computed = in_background(ready, name="jax-sender-ready") if ready else None
         control.start()
+        if computed is not None:
+            _await(computed, None, cancelled)
         t2 = time.perf_counter()
         for payload, broadcast in rounds:
             stats.broadcast_s += _round(payload, broadcast, control, broadcaster, timeout_s,
@@ -140,18 +151,26 @@ def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control:
     span = time.perf_counter() - broadcaster.started if broadcaster.started else 0.0
     deadline = time.monotonic() + timeout_s
     for client, f in zip(control.clients, futures):
-        while True:
-            check()
-            try:
-                f.result(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
-                break
-            except FutureTimeout:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{client.base_url}/update_weights did not answer within {timeout_s}s "
-                        "of the last broadcast: a worker is stuck (in load_weights, or in "
-                        "NCCL waiting for data that was never sent)") from None
+        if not _await(f, deadline, check):
+            raise TimeoutError(
+                f"{client.base_url}/update_weights did not answer within {timeout_s}s of the "
+                "last broadcast: a worker is stuck (in load_weights, or in NCCL waiting for "
+                "data that was never sent)")
     return span
+
+
+def _await(future: Future, deadline: float | None, check: Check) -> bool:
+    """Wait for ``future`` (raising its exception), polling ``check``; False
+    once ``deadline`` (``time.monotonic()``) has passed."""
+    while True:
+        check()
+        left = 0.05 if deadline is None else min(0.05, max(deadline - time.monotonic(), 0.0))
+        try:
+            future.result(timeout=left)
+            return True
+        except FutureTimeout:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
 
 
 class PendingSend:

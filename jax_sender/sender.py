@@ -255,11 +255,11 @@ class WeightSender(BaseSender):
                   and self._on_device(sources))
         if snapshot is not None:
             get, temporaries = snapshot.arrays.__getitem__, False
-            prefetch = functools.partial(jax.block_until_ready, snapshot.arrays)
+            ready = functools.partial(jax.block_until_ready, snapshot.arrays)
         else:
             get, temporaries = self._getter(metas, sources)
-            prefetch = (functools.partial(jax.block_until_ready, [a for _, a in sources])
-                        if not temporaries else (lambda: None))
+            ready = (None if temporaries else
+                     functools.partial(jax.block_until_ready, [a for _, a in sources]))
         rank = self.route.rank
         packed = info.packed
 
@@ -287,7 +287,7 @@ class WeightSender(BaseSender):
 
         push = PreparedPush([(t.update.to_payload(), broadcast_fn(t)) for t in turns], stats,
                             timeout, timeout * max(n_chunks, 1) + 60,
-                            {t.turn.src: t.metas for t in turns}, prefetch)
+                            {t.turn.src: t.metas for t in turns}, ready)
         stats.prepare_s = time.perf_counter() - t0
         pending = self._start(push, weight_version, pause, "jax-sender-push", t0)
         if snapshot is None and not wait:

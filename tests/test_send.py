@@ -107,6 +107,53 @@ def test_a_failing_route_breaks_the_sender_with_a_send_error(route):
         assert server.routes()[-1] == "/resume"  # a pause is always undone
 
 
+def test_a_tree_that_changes_between_pushes_is_described_again():
+    """A push of the same structure, shapes, dtypes and placement as the one
+    before reuses its description; any change is described again and its
+    metadata goes on the wire."""
+    sender, (server,), _ = memory_sender(SMALL)
+    base = params()
+    sender.send(base)
+    assert sender.send(params(1)).reused_metadata
+    for change in ({"head": jnp.ones((41, 40), jnp.float16)},        # a shape
+                   {"head": base["head"].astype(jnp.float32)},      # a dtype
+                   {"head": np.ones((3, 40), np.float16)}):         # host data
+        tree = dict(base, **change)
+        assert not sender.send(tree).reused_metadata
+        assert held(server) == expected(tree)
+        assert server.store["head"].shape == np.shape(change["head"])
+    assert not sender.send(base).reused_metadata  # the first description, again
+    assert held(server) == expected(base)
+
+
+def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait():
+    """The readiness wait runs beside ``/start_weight_update``; the workers
+    get ``/update_weights`` (and sit in NCCL) only once the arrays exist."""
+    sender, (server,), _ = memory_sender(SMALL)
+    sender.send(params())
+    a = jnp.full((1500, 1500), 0.01, jnp.float32)
+    heavy = jax.jit(lambda a: jax.lax.fori_loop(0, 120, lambda i, x: jnp.tanh(x @ a), a))
+    step = jax.jit(lambda t, a: jax.tree_util.tree_map(
+        lambda x: x + (heavy(a)[0, 0] * 0).astype(x.dtype), t))
+    step(params(1), a).values()  # compiled
+    tree = step(params(1), a)  # dispatched: seconds of CPU work before it exists
+    leaf = tree["head"]
+    computed: list[float] = []
+    threading.Thread(target=lambda: computed.append(
+        time.monotonic() if leaf.block_until_ready() is not None else 0.0)).start()
+    out: list = []
+    pushing = threading.Thread(target=lambda: out.append(sender.send(tree)))
+    pushing.start()
+    deadline = time.monotonic() + 10
+    while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.routes()[-1] == "/start_weight_update" and not leaf.is_ready()
+    pushing.join(30)
+    (_, arrived, _), = [e for e in server.log[-2:] if e[0] == "/update_weights"]
+    assert computed and arrived >= computed[0]
+    assert out and held(server) == expected(params(1))
+
+
 def test_metadata_that_disagrees_is_refused_before_any_http_call():
     sender, (server,), _ = memory_sender(SMALL)
     declared = [TensorMeta("embed", "bfloat16", (64, 48))]
