@@ -1014,8 +1014,13 @@ def _dense_report(data: dict, raw: float) -> list[str]:
         if t:
             ours = j["bytes"] / statistics.median(j["transfer"]) / 1e9
             theirs = t["bytes"] / statistics.median(t["transfer"]) / 1e9
+            note = f"ratio to raw; ours / torch = {ours / theirs:.2f}"
+            if "wall" in j and "wall" in t:  # the whole call a user waits for
+                mine, other = statistics.median(j["wall"]), statistics.median(t["wall"])
+                note += (f"; whole call (start to finish), median: ours {mine * 1e3:.1f} ms, "
+                         f"torch {other * 1e3:.1f} ms, ours / torch = {other / mine:.2f}")
             lines.append(_row("  vLLM's torch sender, same", t["bytes"], t["transfer"], raw,
-                              f"ratio to raw; ours / torch = {ours / theirs:.2f}"))
+                              note))
         f = floors.get((j["workload"], j["mode"]))
         if f:
             floor = statistics.median(f["transfer"])

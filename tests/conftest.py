@@ -13,14 +13,18 @@ jax.config.update("jax_platforms", "cpu")
 
 
 GPUS = gpu_count()
-# With JAX_SENDER_SHARE_GPUS the 4-rank tests share 2 GPUs (see harness.gpu_env).
-FOUR_RANKS = GPUS >= 4 or (GPUS >= 2 and bool(os.environ.get(SHARE_GPUS)))
+# With JAX_SENDER_SHARE_GPUS=n the ranks share n GPUs (see harness.gpu_env):
+# the 4-rank tests run on 2, every test on 1.
+SHARED = GPUS >= 1 and bool(os.environ.get(SHARE_GPUS))
+TWO_RANKS = GPUS >= 2 or SHARED
+FOUR_RANKS = GPUS >= 4 or SHARED
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu4" in item.keywords and not FOUR_RANKS:
             item.add_marker(pytest.mark.skip(
-                reason=f"needs 4 GPUs (or 2 with {SHARE_GPUS}=2), found {GPUS}"))
-        elif "gpu" in item.keywords and GPUS < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {GPUS}"))
+                reason=f"needs 4 GPUs (or fewer with {SHARE_GPUS}=2 or 1), found {GPUS}"))
+        elif "gpu" in item.keywords and not TWO_RANKS:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs 2 GPUs (or 1 with {SHARE_GPUS}=1), found {GPUS}"))

@@ -41,13 +41,22 @@ def test_the_floor_sits_under_each_packed_push(tmp_path):
     pushes it bounds, with both senders' times against it."""
     table = _redraw(RUN, tmp_path)
     for row in ("|   vLLM's torch sender, same | 0.0503 | 0.0501 | 325.6 | 0.89 | ratio to raw; "
-                "ours / torch = 1.02 |",
+                "ours / torch = 1.02;",
                 "|   floor: chunks already packed, no sender work | 0.0488 | 0.0484 | 335.7 | 0.92 "
                 "| time / floor: ours 1.01, torch 1.03; ratio to raw |",
                 "| time / floor: ours 0.93, torch 0.92; ratio to raw |",
                 "| uniqueid.handshake | 176.4 | 167.0 | 0.99 |"):
         assert row in table, row
     assert table.count("floor: chunks") == 2  # qwen3-8b and many-small, not unpacked or large
+
+
+def test_each_torch_row_states_both_whole_calls(tmp_path):
+    """Beside the update span, the whole call a user waits for (start to
+    finish, with ours' preparation and handoffs) of both senders."""
+    table = _redraw(RUN, tmp_path)
+    assert ("ours / torch = 1.02; whole call (start to finish), median: ours 56.6 ms, torch "
+            "55.7 ms, ours / torch = 0.98 |") in table
+    assert table.count("whole call (start to finish)") == 4  # packed, unpacked, many-small, large
 
 
 def test_the_unpacked_floor_sits_under_the_unpacked_push(tmp_path):
