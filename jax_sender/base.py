@@ -63,9 +63,11 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], list[tupl
 def _structure(params: Any) -> tuple[Any, list[Any]] | None:
     """A key for ``describe``'s answer and the leaves; None when there is no
     cheap key (host data). The key is the tree's structure (or the names),
-    and each leaf's aval (shape, dtype) and sharding: JAX keeps one aval and
-    one sharding object for arrays alike, so comparing two keys costs
-    little more than comparing their lengths."""
+    and each leaf's aval (shape, dtype) and sharding (placement). JAX
+    shares one aval object among arrays of a shape and dtype, so two keys
+    compare by identity there; the shardings by value (11 ms for 20,000
+    arrays on an H200, all of ``prepare``, against 39 ms for shapes and
+    dtypes read one by one)."""
     if isinstance(params, (list, tuple)) and params and isinstance(params[0], tuple):
         names = tuple(p[0] for p in params)
         leaves = [p[1] for p in params]
