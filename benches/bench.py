@@ -261,25 +261,30 @@ def role_jax(url: str, jobs: str) -> None:
             geometry = (job["mode"], _config(job))
             sender = (_floor_sender(servers, geometry[1]) if job["mode"] in FLOORS
                       else WeightSender.connect(servers, config=geometry[1]))
-        base = dev.memory_stats()["bytes_in_use"]
-        stats, wall = [], []
-        for _ in range(job["reps"] + 1):
-            t = time.perf_counter()
-            stats.append(sender.send(pairs))
-            wall.append(time.perf_counter() - t)
-        stats, wall = stats[1:], wall[1:]
-        s = stats[0]
-        _emit(dict(job, transfer=[x.transfer_s for x in stats],
-                   broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
-                   prepare=[x.prepare_s for x in stats], host=[x.host_s for x in stats],
-                   start=[x.start_s for x in stats], finish=[x.finish_s for x in stats],
-                   link=[x.link_s for x in stats], link_bytes=s.link_bytes,
-                   wall=wall, bytes=s.bytes, tensors=s.tensors,
-                   chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
-                   held=dev.memory_stats()["bytes_in_use"] - base,
-                   # the process-wide peak: meaningful for the first job only
-                   peak=dev.memory_stats()["peak_bytes_in_use"] - base))
+        _emit(dict(job, **_pushes(sender, pairs, job["reps"], dev)))
     sender.close()
+
+
+def _pushes(sender, pairs: list, reps: int, dev) -> dict:
+    """``reps`` timed pushes of ``pairs`` after one warm-up, and their figures."""
+    base = dev.memory_stats()["bytes_in_use"]
+    stats, wall = [], []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        stats.append(sender.send(pairs))
+        wall.append(time.perf_counter() - t)
+    stats, wall = stats[1:], wall[1:]
+    s = stats[0]
+    return dict(transfer=[x.transfer_s for x in stats],
+                broadcast=[x.broadcast_s for x in stats], total=[x.total_s for x in stats],
+                prepare=[x.prepare_s for x in stats], host=[x.host_s for x in stats],
+                start=[x.start_s for x in stats], finish=[x.finish_s for x in stats],
+                link=[x.link_s for x in stats], link_bytes=s.link_bytes,
+                wall=wall, bytes=s.bytes, tensors=s.tensors,
+                chunks=s.chunks, largest=max(a.nbytes for _, a in pairs),
+                held=dev.memory_stats()["bytes_in_use"] - base,
+                # the process-wide peak: meaningful for the first job only
+                peak=dev.memory_stats()["peak_bytes_in_use"] - base)
 
 
 def role_sparse(url: str, fractions: str, reps: str, name: str = "qwen3-8b") -> None:
@@ -524,19 +529,47 @@ def role_torch(url: str, jobs: str) -> None:
             pairs = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
                      for n, s in workload(job["workload"])]
             current = job["workload"]
-        engine, client, _ = _torch_engine(url, pairs, job["mode"] == "packed", job["buffer"],
-                                          job["nbuf"])
-        totals = []
-        for _ in range(job["reps"] + 1):
-            t = time.perf_counter()
-            engine.send_weights()
-            totals.append(time.perf_counter() - t)
-        engine.shutdown()
-        client.http.shutdown_weight_transfer_engine()
-        _emit(dict(job, transfer=client.spans[1:], total=totals[1:], wall=totals[1:],
-                   start=client.starts[1:], finish=client.finishes[1:],
-                   bytes=sum(t.numel() * t.element_size() for _, t in pairs),
-                   tensors=len(pairs)))
+        _emit(dict(job, **_torch_pushes(url, pairs, job)))
+
+
+def _torch_pushes(url: str, pairs: list, job: dict) -> dict:
+    """vLLM's torch engine joined to the server for ``job``: ``reps`` timed
+    ``send_weights()`` after one warm-up, and their figures; then shut down."""
+    engine, client, _ = _torch_engine(url, pairs, job["mode"] == "packed", job["buffer"],
+                                      job["nbuf"])
+    totals = []
+    for _ in range(job["reps"] + 1):
+        t = time.perf_counter()
+        engine.send_weights()
+        totals.append(time.perf_counter() - t)
+    engine.shutdown()
+    client.http.shutdown_weight_transfer_engine()
+    return dict(transfer=client.spans[1:], total=totals[1:], wall=totals[1:],
+                start=client.starts[1:], finish=client.finishes[1:],
+                bytes=sum(t.numel() * t.element_size() for _, t in pairs), tensors=len(pairs))
+
+
+def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
+    """The 4 KiB push (``job``), ours and vLLM's torch engine's taking turns in
+    this one process, ``blocks`` blocks each (a new connection per block: the
+    server holds one engine at a time)."""
+    import jax
+
+    from jax_sender import WeightSender
+    dev = jax.devices()[0]
+    job = json.loads(job)
+    pairs = _workload_pairs(job["workload"])
+    if with_torch == "1":
+        _vllm_path()
+        import torch
+        torch.cuda.set_device(0)
+        tensors = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
+                   for n, s in workload(job["workload"])]
+    for _ in range(int(blocks)):
+        with WeightSender.connect(url, config=_config(job)) as sender:
+            _emit(dict(job, sender="ours", **_pushes(sender, pairs, job["reps"], dev)))
+        if with_torch == "1":
+            _emit(dict(job, sender="torch", **_torch_pushes(url, tensors, job)))
 
 
 # -- orchestration -------------------------------------------------------------
@@ -605,7 +638,7 @@ SLOW_FRACTIONS = [0.01, 0.1]
 SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
              "NCCL_SOCKET_IFNAME": "lo"}
 STAGES = ("dense", "servers", "sparse", "slow", "train")
-FIXED_BLOCKS = 3  # the 4 KiB row: ours and torch's in turns
+FIXED_BLOCKS = 10  # the 4 KiB row: ours and torch's in turns
 
 
 @contextlib.contextmanager
@@ -752,20 +785,22 @@ def _dense(data: dict, reps: int, quick: bool, vllm: bool, save) -> None:
 
 
 def _fixed(data: dict, url: str, reps: int, vllm: bool) -> None:
-    """The 4 KiB push, ours and vLLM's torch engine's in turns: ``FIXED_BLOCKS``
-    blocks of ``4 x reps`` pushes each (a push takes ~8 ms, so the row affords
-    the repetitions). Two long runs one after the other let the host's drift
-    land on one sender: the row moved 15-25 % between runs that way."""
-    job = json.dumps([_job("tiny", "packed", reps * 4)])
-    ours, theirs = [], []
-    for _ in range(FIXED_BLOCKS):
-        ours += _one("role_jax", url, job)
-        if vllm and "torch" in data:
-            theirs += _one("role_torch", url, job)
+    """The 4 KiB push, ours and vLLM's torch engine's in turns, in one process:
+    ``FIXED_BLOCKS`` blocks of ``4 x reps`` pushes each (a push takes ~7 ms,
+    so the row affords the repetitions). The host drifts by about +-10 %
+    from block to block, so many short blocks rather than a few long ones,
+    and their medians are kept to show it."""
+    job = json.dumps(_job("tiny", "packed", reps * 4))
+    runs = _one("role_fixed", url, str(FIXED_BLOCKS), job,
+                "1" if vllm and "torch" in data else "0")
     data["fixed_blocks"] = FIXED_BLOCKS
-    data["ours"].append(_merged(ours))
-    if theirs:
-        data["torch"].append(_merged(theirs))
+    for who in ("ours", "torch"):
+        mine = [{k: v for k, v in r.items() if k != "sender"} for r in runs
+                if r["sender"] == who]
+        if mine:
+            data[who].append(_merged(mine))
+            data.setdefault("fixed_block_medians", {})[who] = [
+                statistics.median(r["wall"]) for r in mine]
 
 
 def _merged(runs: list[dict]) -> dict:
@@ -838,6 +873,10 @@ def _fixed_report(data: dict) -> list[str]:
     if theirs:
         lines.append(f"| vLLM's torch engine, `send_weights()` | {_ms(theirs['wall'])} | "
                      f"{min(theirs['wall']) * 1e3:.2f} | 1.00 |")
+    spread = data.get("fixed_block_medians", {})
+    if spread:
+        lines += ["", "Block medians, ms (the host's drift from block to block): " + "; ".join(
+            f"{who} {min(m) * 1e3:.2f}-{max(m) * 1e3:.2f}" for who, m in spread.items()) + "."]
     if theirs and "start" in ours and "start" in theirs:
         lines += ["", "Its parts, median ms (start and finish are HTTP calls; update: posting "
                   "`/update_weights` to its answer):", "",

@@ -178,8 +178,11 @@ def test_the_fixed_cost_row_joins_the_blocks_the_senders_took_in_turns(tmp_path)
     assert ours["reps"] == 12 and len(ours["wall"]) == 12 and ours["bytes"] == 4096
     theirs = _merged([block(6.8), block(7.1), block(7.1)])
     data = {"reps": 1, "raw": [0.003], "target": "vLLM 0.33.0 consumer", "fixed_blocks": 3,
-            "init": {"ours": [0.18], "vllm": [0.19]},
-            "ours": [ours], "torch": [theirs]}
+            "init": {"ours": [0.18], "vllm": [0.19]}, "ours": [ours], "torch": [theirs],
+            "fixed_block_medians": {"ours": [0.0070, 0.0072, 0.0090],
+                                    "torch": [0.0068, 0.0071, 0.0071]}}
     table = _redraw(data, tmp_path)
     assert "median ms. Ours and torch's took turns, 3 blocks of 4 pushes each." in table
+    assert ("Block medians, ms (the host's drift from block to block): ours 7.00-9.00; "
+            "torch 6.80-7.10.") in table
     assert "| ours, `send()` | 7.20 | 7.00 | 1.01 |" in table
