@@ -153,6 +153,18 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     assert computed and arrived >= computed[0]
     assert out and held(server) == expected(params(1))
 
+    # close() while a push waits for its arrays cancels it at once
+    tree = step(params(2), a)
+    pending = sender.send(tree, wait=False)
+    while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline + 30:
+        time.sleep(0.005)
+    t = time.monotonic()
+    sender.close()
+    assert time.monotonic() - t < 1.0 and not tree["head"].is_ready()
+    with pytest.raises(SendError, match="cancelled"):
+        pending.result(5)
+    jax.block_until_ready(tree)  # XLA's work must not outlive the interpreter
+
 
 def test_metadata_that_disagrees_is_refused_before_any_http_call():
     sender, (server,), _ = memory_sender(SMALL)
