@@ -5,9 +5,10 @@
 A 4 KiB push (the bench's fixed-cost row) through ``WeightSender.send``
 over the test suite's in-memory link (``tests/memory_link.py``): real HTTP
 on loopback with vLLM's session rules, the broadcast handed over in memory.
-Its HTTP calls are timed inside the push (start, update, finish, as
-``SendStats`` reports them); the rest of ``send()`` is the sender's own:
-validation, the push thread, the update's background call, the waits.
+Its HTTP calls are timed where they are made (start and finish on the push
+thread, the update inside its own thread: ``SendStats.update_s``); the rest
+of ``send()`` is the sender's own: validation, the push thread, the
+handoffs to and from the update's thread, the waits.
 That rest is what a sender adds to vLLM's three calls on any machine, and
 what this script measures.
 """
@@ -43,12 +44,12 @@ def main() -> None:
         walls.append(time.perf_counter() - t)
     sender.close()
     ms = lambda xs: f"{statistics.median(xs) * 1e3:.3f}"  # noqa: E731
-    http = [s.start_s + s.transfer_s + s.finish_s for s in stats]
+    http = [s.start_s + s.update_s + s.finish_s for s in stats]
     print(f"Medians of {args.sends} pushes of one 4 KiB tensor, ms.\n")
     print("| send() | start | update | finish | the sender's own |")
     print("| --- | --- | --- | --- | --- |")
     print(f"| {ms(walls)} | {ms([s.start_s for s in stats])} | "
-          f"{ms([s.transfer_s for s in stats])} | {ms([s.finish_s for s in stats])} | "
+          f"{ms([s.update_s for s in stats])} | {ms([s.finish_s for s in stats])} | "
           f"{ms([w - h for w, h in zip(walls, http)])} |")
 
 

@@ -58,6 +58,9 @@ class SendStats:
     prepare_s: float
     start_s: float = 0.0
     transfer_s: float = 0.0  # posting /update_weights -> every server answered
+    # the /update_weights calls themselves, timed inside their threads (the
+    # slowest server's), as vLLM's torch engine is timed: transfer_s less handoffs
+    update_s: float = 0.0
     finish_s: float = 0.0
     broadcast_s: float = 0.0  # first broadcast launched -> last one done (host clock)
     host_s: float = 0.0  # host time getting and packing tensors, inside transfer_s
@@ -113,8 +116,10 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
             _await(computed, None, cancelled)
         t2 = time.perf_counter()
         for payload, broadcast in rounds:
-            stats.broadcast_s += _round(payload, broadcast, control, broadcaster, timeout_s,
-                                        http_timeout_s, cancelled)
+            span, update = _round(payload, broadcast, control, broadcaster, timeout_s,
+                                  http_timeout_s, cancelled)
+            stats.broadcast_s += span
+            stats.update_s += update
             stats.host_s += broadcaster.host_s
             stats.link_s += broadcaster.link_s
             stats.link_bytes += broadcaster.link_bytes
@@ -135,9 +140,10 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
 
 def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control: ControlPlane,
            broadcaster: Timed, timeout_s: float, http_timeout_s: float,
-           cancelled: Check) -> float:
+           cancelled: Check) -> tuple[float, float]:
     """Broadcast while the workers receive in ``/update_weights``; returns the
-    broadcasts' span (first launch to last done, host clock)."""
+    broadcasts' span (first launch to last done, host clock) and the slowest
+    ``/update_weights`` call's own time."""
     futures = control.update(payload, http_timeout_s)
 
     def check() -> None:
@@ -156,7 +162,7 @@ def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control:
                 f"{client.base_url}/update_weights did not answer within {timeout_s}s of the "
                 "last broadcast: a worker is stuck (in load_weights, or in NCCL waiting for "
                 "data that was never sent)")
-    return span
+    return span, max((f.result() for f in futures), default=0.0)
 
 
 def _await(future: Future, deadline: float | None, check: Check) -> bool:

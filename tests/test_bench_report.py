@@ -59,6 +59,18 @@ def test_each_torch_row_states_both_whole_calls(tmp_path):
     assert table.count("whole call (start to finish)") == 4  # packed, unpacked, many-small, large
 
 
+def test_our_rows_use_the_update_call_timed_inside_its_thread(tmp_path):
+    """Where a run has it, our ``/update_weights`` time is the one measured
+    inside the HTTP call's thread, as torch's is (figures made up here: the
+    committed run predates it)."""
+    data = json.loads((ROOT / RUN).read_text())
+    data["ours"][0]["update"] = [0.0480] * 5  # qwen3-8b packed
+    table = _redraw(data, tmp_path)
+    assert "| packed send qwen3-8b -> vLLM 0.33.0 consumer | 0.0480 | 0.0480 |" in table
+    assert "ratio to raw; ours / torch = 1.05;" in table
+    assert "time / floor: ours 0.98, torch 1.03" in table
+
+
 def test_the_unpacked_floor_sits_under_the_unpacked_push(tmp_path):
     """Each tensor broadcast from one buffer with no sender work, under the
     unpacked pushes, both senders against it (the floor's figures made up

@@ -62,6 +62,16 @@ def test_a_push_is_exact_and_follows_the_route_order(packed):
     assert stats.returned_s > 0 and not sender.broken
 
 
+def test_update_s_is_the_update_call_itself_inside_transfer_s():
+    """``update_s`` times ``/update_weights`` inside its own thread, as vLLM's
+    torch engine is timed: at least what the server took to answer, at most
+    the push thread's ``transfer_s`` (which adds the handoffs between threads)."""
+    sender, (server,), _ = memory_sender(SMALL, delay_s=0.05)
+    stats = sender.send(params())
+    (_, arrived, answered), = [e for e in server.log if e[0] == "/update_weights"]
+    assert answered - arrived <= stats.update_s <= stats.transfer_s
+
+
 def test_the_largest_tensors_go_first_and_metadata_is_reused():
     sender, (server,), caster = memory_sender(SMALL)
     sender.send(params(0))
