@@ -886,10 +886,11 @@ def _fixed_report(data: dict) -> list[str]:
         lines += ["", "Block medians, ms (the host's drift from block to block): " + "; ".join(
             f"{who} {min(m) * 1e3:.2f}-{max(m) * 1e3:.2f}" for who, m in spread.items()) + "."]
     if theirs and "start" in ours and "start" in theirs:
-        lines += ["", "Its parts, median ms (start and finish are HTTP calls; update: posting "
-                  "`/update_weights` to its answer):", "",
-                  "| sender | start | update | finish |", "| --- | --- | --- | --- |"]
-        lines += [f"| {who} | {_ms(j['start'])} | {_ms(j['transfer'])} | {_ms(j['finish'])} |"
+        how = ("the `/update_weights` call timed inside its thread" if "update" in ours
+               else "posting `/update_weights` to its answer; ours on the push thread")
+        lines += ["", f"Its parts, median ms (start and finish are HTTP calls; update: {how}):",
+                  "", "| sender | start | update | finish |", "| --- | --- | --- | --- |"]
+        lines += [f"| {who} | {_ms(j['start'])} | {_ms(_span(j))} | {_ms(j['finish'])} |"
                   for who, j in (("ours", ours), ("torch", theirs))]
     return lines
 

@@ -186,7 +186,7 @@ def test_the_fixed_cost_row_joins_the_blocks_the_senders_took_in_turns(tmp_path)
         return dict(workload="tiny", mode="packed", buffer=1 << 30, nbuf=2, reps=n,
                     wall=[ms / 1e3] * n, start=[0.002] * n, transfer=[0.003] * n,
                     finish=[0.002] * n, bytes=4096, tensors=1)
-    ours = _merged([block(7.0), block(7.2), block(9.0)])
+    ours = _merged([dict(block(ms), update=[0.0028] * 4) for ms in (7.0, 7.2, 9.0)])
     assert ours["reps"] == 12 and len(ours["wall"]) == 12 and ours["bytes"] == 4096
     theirs = _merged([block(6.8), block(7.1), block(7.1)])
     data = {"reps": 1, "raw": [0.003], "target": "vLLM 0.33.0 consumer", "fixed_blocks": 3,
@@ -198,3 +198,5 @@ def test_the_fixed_cost_row_joins_the_blocks_the_senders_took_in_turns(tmp_path)
     assert ("Block medians, ms (the host's drift from block to block): ours 7.00-9.00; "
             "torch 6.80-7.10.") in table
     assert "| ours, `send()` | 7.20 | 7.00 | 1.01 |" in table
+    assert "update: the `/update_weights` call timed inside its thread" in table
+    assert "| ours | 2.00 | 2.80 | 2.00 |" in table and "| torch | 2.00 | 3.00 | 2.00 |" in table
