@@ -166,8 +166,8 @@ class BaseSender:
         """``describe(params)``, checked against the load plan when there is one.
 
         The answer is kept for the next call with the same structure, names,
-        shapes and dtypes: a push of many small tensors otherwise spends more
-        time describing them than sending them."""
+        shapes, dtypes and placement: a push of many small tensors otherwise
+        spends more time describing them than sending them."""
         found = _structure(params)
         kept = self._described
         if found is not None and kept is not None and found[0] == kept.key:
