@@ -88,12 +88,16 @@ def chunk_packer(paths: tuple[Any, ...], transform: Transform,
     return jax.jit(pack)
 
 
+def _words(chunk: Chunk, metas: Sequence[TensorMeta]) -> tuple[Any, int]:
+    """The chunk's word type (``unit_of`` its tensors) and its length in words."""
+    unit = unit_of(metas[chunk.start:chunk.stop])
+    return unit, chunk.nbytes // jnp.dtype(unit).itemsize
+
+
 def writable(chunk: Chunk, metas: Sequence[TensorMeta]) -> bool:
     """Whether ``chunk_writer`` can write this chunk: more than one tensor,
     and every offset (in words) an int32 index, as XLA's in-place update takes."""
-    span = metas[chunk.start:chunk.stop]
-    words = chunk.nbytes // jnp.dtype(unit_of(span)).itemsize
-    return not chunk.single and words < 2**31
+    return not chunk.single and _words(chunk, metas)[1] < 2**31
 
 
 @functools.lru_cache(maxsize=1024)
@@ -127,8 +131,7 @@ def write_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
     if not writable(chunk, metas):
         return pack_chunk(chunk, metas, paths, arrays, transform)
     span = slice(chunk.start, chunk.stop)
-    unit = unit_of(metas[span])
-    words = chunk.nbytes // jnp.dtype(unit).itemsize
+    unit, words = _words(chunk, metas)
     if buffer is None or buffer.shape != (words,) or buffer.dtype != unit:
         buffer = jnp.zeros((words,), unit, device=device)
     write = chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets)
