@@ -148,9 +148,6 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     step(params(1), a).values()  # compiled
     tree = step(params(1), a)  # dispatched: seconds of CPU work before it exists
     leaf = tree["head"]
-    computed: list[float] = []
-    threading.Thread(target=lambda: computed.append(
-        time.monotonic() if leaf.block_until_ready() is not None else 0.0)).start()
     out: list = []
     pushing = threading.Thread(target=lambda: out.append(sender.send(tree)))
     pushing.start()
@@ -158,9 +155,15 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline:
         time.sleep(0.005)
     assert server.routes()[-1] == "/start_weight_update" and not leaf.is_ready()
+    while True:  # the last instant the arrays were seen not computed yet
+        t = time.monotonic()
+        if leaf.is_ready():
+            break
+        not_ready_at = t
+        time.sleep(0.005)
     pushing.join(30)
     (_, arrived, _), = [e for e in server.log[-2:] if e[0] == "/update_weights"]
-    assert computed and arrived >= computed[0]
+    assert arrived > not_ready_at
     assert out and held(server) == expected(params(1))
 
     # close() while a push waits for its arrays cancels it at once
