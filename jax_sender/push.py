@@ -105,15 +105,20 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
     runs on a thread of its own while ``/start_weight_update`` is answered,
     and ``/update_weights`` is posted only once it is done: the workers then
     never sit in NCCL waiting for the trainer's step, yet a push of
-    thousands of arrays does not pay for their readiness before it starts."""
+    thousands of arrays does not pay for their readiness before it starts.
+    Like every wait of the push, it has ``timeout_s``."""
     if pause:
         control.pause(pause)
     try:
         t1 = time.perf_counter()
         computed = in_background(ready, name="jax-sender-ready") if ready else None
+        deadline = time.monotonic() + timeout_s
         control.start()
-        if computed is not None:
-            _await(computed, None, cancelled)
+        if computed is not None and not _await(computed, deadline, cancelled):
+            raise TimeoutError(
+                f"the arrays to push were not computed within {timeout_s}s of send() (is the "
+                "trainer's step still running, or stuck?): call send() once the step is done, "
+                "or raise SendConfig.send_timeout_s")
         t2 = time.perf_counter()
         for payload, broadcast in rounds:
             span, update = _round(payload, broadcast, control, broadcaster, timeout_s,

@@ -136,17 +136,24 @@ def test_a_tree_that_changes_between_pushes_is_described_again():
     assert held(server) == expected(base)
 
 
+def slow_step():
+    """A jitted step that returns the tree it is given, but only after seconds
+    of CPU work: its outputs exist well after it is dispatched."""
+    a = jnp.full((1500, 1500), 0.01, jnp.float32)
+    heavy = jax.jit(lambda a: jax.lax.fori_loop(0, 120, lambda i, x: jnp.tanh(x @ a), a))
+    step = jax.jit(lambda t: jax.tree_util.tree_map(
+        lambda x: x + (heavy(a)[0, 0] * 0).astype(x.dtype), t))
+    jax.block_until_ready(step(params(1)))  # compiled
+    return step
+
+
 def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait():
     """The readiness wait runs beside ``/start_weight_update``; the workers
     get ``/update_weights`` (and sit in NCCL) only once the arrays exist."""
     sender, (server,), _ = memory_sender(SMALL)
     sender.send(params())
-    a = jnp.full((1500, 1500), 0.01, jnp.float32)
-    heavy = jax.jit(lambda a: jax.lax.fori_loop(0, 120, lambda i, x: jnp.tanh(x @ a), a))
-    step = jax.jit(lambda t, a: jax.tree_util.tree_map(
-        lambda x: x + (heavy(a)[0, 0] * 0).astype(x.dtype), t))
-    step(params(1), a).values()  # compiled
-    tree = step(params(1), a)  # dispatched: seconds of CPU work before it exists
+    step = slow_step()
+    tree = step(params(1))  # dispatched: seconds of CPU work before it exists
     leaf = tree["head"]
     out: list = []
     pushing = threading.Thread(target=lambda: out.append(sender.send(tree)))
@@ -167,7 +174,7 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     assert out and held(server) == expected(params(1))
 
     # close() while a push waits for its arrays cancels it at once
-    tree = step(params(2), a)
+    tree = step(params(2))
     pending = sender.send(tree, wait=False)
     while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline + 30:
         time.sleep(0.005)
@@ -176,6 +183,22 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     assert time.monotonic() - t < 1.0 and not tree["head"].is_ready()
     with pytest.raises(SendError, match="cancelled"):
         pending.result(5)
+    jax.block_until_ready(tree)  # XLA's work must not outlive the interpreter
+
+
+def test_arrays_not_computed_within_the_deadline_fail_the_push_clearly():
+    """The readiness wait has the push's deadline like every other wait: past
+    it the push fails, before any ``/update_weights``, naming the fix."""
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096,
+                                                    send_timeout_s=0.3))
+    sender.send(params())
+    tree = slow_step()(params(1))
+    t = time.monotonic()
+    with pytest.raises(SendError, match=r"not computed within 0.3s .*SendConfig.send_timeout_s"):
+        sender.send(tree)
+    assert time.monotonic() - t < 2.0 and not tree["head"].is_ready()
+    assert sender.broken and sender.connection.comm.aborted
+    assert server.routes()[3:] == ["/start_weight_update"]
     jax.block_until_ready(tree)  # XLA's work must not outlive the interpreter
 
 
