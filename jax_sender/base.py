@@ -1,5 +1,5 @@
-"""What every sender shares: a route's connection, its broadcaster, the push
-thread, and their lifetimes.
+"""What every sender shares: a route's connection, its broadcaster, the
+push's threads, and their lifetimes.
 
 ``WeightSender`` (dense pushes, ``sender.py``) and ``SparseSender`` (patches
 to vLLM's ``sparse_nccl`` backend, ``sparse_sender.py``) are two senders over
@@ -27,7 +27,7 @@ from .group import TrainerGroup, gather, ready
 from .naming import Mapping, identity, named_arrays
 from .packer import Broadcaster
 from .plan import LoadPlan, TensorMeta, check_unique
-from .push import PendingSend, Round, SendStats, run_push
+from .push import CANCEL_GRACE_S, Lane, PendingSend, Round, SendStats, run_push
 from .routes import Route, jax_device
 
 log = logging.getLogger("jax_sender")
@@ -118,6 +118,10 @@ class PreparedPush:
     ready: Callable[[], None] | None = None  # waits for the arrays read as they are
 
 
+class _Stuck(SendError):
+    """An NCCL call of the push overstayed its deadline."""
+
+
 class BaseSender:
     """A route's connection to the servers' workers and the machinery every
     push runs on. Not built directly: use ``WeightSender`` or ``SparseSender``.
@@ -142,7 +146,7 @@ class BaseSender:
         self._described: _Described | None = None
         self._broadcaster: Broadcaster | None = None
         self._pending: PendingSend | None = None
-        self._orphans: list[PendingSend] = []  # push threads abandoned inside NCCL
+        self._orphans: list[Lane] = []  # lanes abandoned inside NCCL
         self.broken: str = ""
 
     def _nccl_broadcaster(self, conn: Connection) -> Broadcaster:
@@ -227,48 +231,55 @@ class BaseSender:
         return get, True
 
     def _start(self, push: PreparedPush, weight_version: str | None, pause: str | None,
-               name: str, t0: float) -> PendingSend:
-        """Run ``push`` on its thread; the thread aborts the communicator on failure."""
+               name: str | None, t0: float) -> PendingSend:
+        """``push``, run on the kept thread ``name``, or by the caller's
+        ``run_here()`` when None (see ``push.py``); on failure it stops its
+        lane and aborts the communicator."""
         conn = self.connection
         if self._broadcaster is None:
             self._broadcaster = self._make_broadcaster(conn)
         broadcaster = self._broadcaster
+        lane = Lane()
 
         def work(cancelled: Callable[[], None]) -> SendStats:
+            def check() -> None:
+                cancelled()
+                since = conn.comm.in_call_since
+                if since and time.monotonic() - since > push.timeout_s:
+                    raise _Stuck(f"an NCCL call did not return within {push.timeout_s}s (a "
+                                 "peer is gone while a connection was being set up)")
+
             try:
-                run_push(push.rounds, ControlPlane(conn.clients), broadcaster,
+                run_push(push.rounds, ControlPlane(conn.clients), broadcaster, lane,
                          timeout_s=push.timeout_s, http_timeout_s=push.http_timeout_s,
-                         weight_version=weight_version, pause=pause, cancelled=cancelled,
+                         weight_version=weight_version, pause=pause, cancelled=check,
                          stats=push.stats, ready=push.ready)
             except BaseException as e:
-                self._fail(e, conn)
-                if isinstance(e, SendError):
+                stopped = lane.stop(0.0 if isinstance(e, _Stuck) else CANCEL_GRACE_S)
+                if stopped:
+                    self._fail(e, conn)
+                else:  # inside NCCL past its deadline: give it up, never free under it
+                    self._orphans.append(lane)
+                    self.broken = self.broken or "an NCCL call did not return"
+                    self._forget()
+                if isinstance(e, KeyboardInterrupt) or (stopped and isinstance(e, SendError)):
                     raise
-                raise SendError(f"weight push failed: {type(e).__name__}: {e}. The "
-                                "communicator was aborted; call reconnect() before the next "
-                                "send") from e
+                why = str(e) if isinstance(e, _Stuck) else f"{type(e).__name__}: {e}"
+                raise SendError(f"weight push failed: {why}. The communicator was "
+                                f"{'aborted' if stopped else 'abandoned'}; call reconnect() "
+                                "before the next send") from e
             self._sent = push.sent
             if not push.stats.returned_s:
                 push.stats.returned_s = time.perf_counter() - t0
             log.info("sent %s", push.stats)
             return push.stats
 
-        def stuck() -> str:
-            since = conn.comm.in_call_since
-            if since and time.monotonic() - since > push.timeout_s:
-                self.broken = self.broken or "an NCCL call did not return"
-                return (f"an NCCL call did not return within {push.timeout_s}s (a peer is "
-                        "gone while a connection was being set up)")
-            return ""
-
-        self._pending = PendingSend(work, name=name, stuck=stuck)
+        self._pending = PendingSend(work, name=name)
         return self._pending
 
     def _join_pending(self) -> None:
         """At most one push in flight: wait for the one before (its own deadlines
-        bound the wait); its failure, if any, leaves the sender broken. A push
-        thread abandoned inside NCCL keeps its communicator: it is never freed
-        under it."""
+        bound the wait); its failure, if any, leaves the sender broken."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -276,13 +287,11 @@ class BaseSender:
             pending.result()
         except SendError:
             pass  # reported by its own handle; the sender is broken now
-        if not pending.wait_stopped(0):
-            self._orphans.append(pending)
 
     def _free_connection(self, shutdown_servers: bool) -> None:
         """Shut the servers' engines down and free the communicator, unless a
-        push thread still sits inside one of its calls."""
-        alive = any(not p.wait_stopped(0) for p in self._orphans)
+        lane still sits inside one of its calls."""
+        alive = any(lane.busy for lane in self._orphans)
         self.connection.close(shutdown_servers=shutdown_servers, free_comm=not alive)
 
     def _ensure_usable(self) -> None:
@@ -290,7 +299,7 @@ class BaseSender:
             raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
 
     def _fail(self, exc: BaseException, conn: Connection) -> None:
-        """On the push thread, which owns the communicator: abort it."""
+        """Abort the communicator (no NCCL call is in flight: the lane stopped)."""
         self.broken = f"{type(exc).__name__}: {exc}"
         conn.comm.abort(f"send failed: {type(exc).__name__}")
         self._forget()

@@ -1,22 +1,28 @@
-"""The core of a push: vLLM's update protocol around the broadcasts, run on a
-thread of its own, and the handle the caller waits on.
+"""The core of a push: vLLM's update protocol around the broadcasts, and the
+handle the caller waits on.
 
 ``run_push`` is the protocol: pause, ``/start_weight_update``, per round an
 ``/update_weights`` in flight while that round's broadcasts run,
 ``/finish_weight_update``, resume. It takes what it talks to (a control
 plane, a broadcaster) as arguments, so it runs on CPU against in-memory ones.
 
-Why a thread: the communicator is blocking (its calls launch four times
-faster), and a blocking NCCL call can, in a rare failure (a peer gone
-while a connection is set up), never return. The push runs on a daemon
-thread that owns the communicator while it runs; the caller waits on a
-``PendingSend`` with deadlines and a way out. Every wait of the push polls
-``check``, which raises once the push is cancelled (Ctrl-C, ``close``) or a
-server answered with an error, and the push thread then aborts the
-communicator itself, between NCCL calls. Only a thread stuck inside an NCCL
-call past its deadline is abandoned instead: the sender is broken, the
+Where it runs: the protocol on the caller's thread (a blocking ``send``) or
+on a thread of its own (``send(wait=False)``); the NCCL calls always on a
+kept thread of their own (``Lane``). Why split: the communicator is
+blocking (its calls launch four times faster), and a blocking NCCL call
+can, in a rare failure (a peer gone while a connection is set up), never
+return; it then holds the lane's thread, while the protocol's thread, which
+makes no NCCL call, still fails the push with its reason. Why the caller's
+thread: each handoff between threads costs a wake-up (~0.05 ms); a blocking
+push whose protocol ran elsewhere paid two of them on top of the update
+call's, which is a twentieth of a 4 KiB push.
+
+Every wait of the push polls ``check``, which raises once the push is
+cancelled (Ctrl-C, ``close``), a server answered with an error, or an NCCL
+call overstayed its deadline. On any failure the lane is stopped at its
+next poll and the communicator aborted once no NCCL call is in flight; a
+lane stuck inside one is abandoned instead: the sender is broken, the
 communicator is never freed under it, and ``reconnect()`` forms a new one.
-The same thread is what lets ``send(wait=False)`` return at once.
 """
 
 from __future__ import annotations
@@ -93,13 +99,57 @@ class Timed(Protocol):
     link_bytes: int
 
 
-def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed, *,
+class Lane:
+    """The kept thread (``jax-sender-nccl``) that makes one push's NCCL calls,
+    a round's broadcasts at a time, and the way to stop it."""
+
+    def __init__(self) -> None:
+        self._job: Future[float] | None = None
+        self._stop = threading.Event()
+
+    def run(self, broadcast: Callable[[Check], None], check: Check) -> Future[float]:
+        """Start ``broadcast(check)`` on the lane's thread; its future, whose
+        result is the instant it ended (``time.perf_counter()``)."""
+        def guarded() -> None:
+            if self._stop.is_set():
+                raise PushCancelled("the push was stopped after a failure")
+            check()
+
+        def job() -> float:
+            broadcast(guarded)
+            return time.perf_counter()
+
+        self._job = in_background(job, name="jax-sender-nccl")
+        return self._job
+
+    def stop(self, grace: float) -> bool:
+        """Make a running round stop at its next poll; whether the lane has
+        left its NCCL calls within ``grace`` seconds (then nothing uses the
+        communicator and it may be aborted)."""
+        self._stop.set()
+        job = self._job
+        if job is None:
+            return True
+        try:
+            job.exception(timeout=grace)
+        except FutureTimeout:
+            return False
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """A round still runs (an abandoned lane: inside an NCCL call)."""
+        return self._job is not None and not self._job.done()
+
+
+def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed, lane: Lane, *,
              timeout_s: float, http_timeout_s: float, weight_version: str | None,
              pause: str | None, cancelled: Check, stats: SendStats,
              ready: Callable[[], None] | None = None) -> None:
-    """Run the protocol, filling ``stats``; raises on the first failure (the
-    caller aborts its communicator). ``cancelled`` raises once the push is
-    cancelled; it is polled in every wait.
+    """Run the protocol on this thread and the broadcasts on ``lane``,
+    filling ``stats``; raises on the first failure (the caller stops the
+    lane and aborts its communicator). ``cancelled`` raises once the push is
+    cancelled; it is polled in every wait, here and on the lane.
 
     ``ready`` waits until the arrays the broadcasts read are computed. It
     runs on a thread of its own while ``/start_weight_update`` is answered,
@@ -121,7 +171,7 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
                 "or raise SendConfig.send_timeout_s")
         t2 = time.perf_counter()
         for payload, broadcast in rounds:
-            span, update = _round(payload, broadcast, control, broadcaster, timeout_s,
+            span, update = _round(payload, broadcast, control, broadcaster, lane, timeout_s,
                                   http_timeout_s, cancelled)
             stats.broadcast_s += span
             stats.update_s += update
@@ -144,11 +194,11 @@ def run_push(rounds: Sequence[Round], control: ControlPlane, broadcaster: Timed,
 
 
 def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control: ControlPlane,
-           broadcaster: Timed, timeout_s: float, http_timeout_s: float,
+           broadcaster: Timed, lane: Lane, timeout_s: float, http_timeout_s: float,
            cancelled: Check) -> tuple[float, float]:
-    """Broadcast while the workers receive in ``/update_weights``; returns the
-    broadcasts' span (first launch to last done, host clock) and the slowest
-    ``/update_weights`` call's own time."""
+    """Broadcast on ``lane`` while the workers receive in ``/update_weights``;
+    returns the broadcasts' span (first launch to last done, host clock)
+    and the slowest ``/update_weights`` call's own time."""
     futures = control.update(payload, http_timeout_s)
 
     def check() -> None:
@@ -158,57 +208,80 @@ def _round(payload: dict[str, Any], broadcast: Callable[[Check], None], control:
                 f.result()
 
     check()
-    broadcast(check)
-    span = time.perf_counter() - broadcaster.started if broadcaster.started else 0.0
-    deadline = time.monotonic() + timeout_s
+    sent = lane.run(broadcast, check)
+    # The answers are awaited first: the broadcasts end before them, so this
+    # thread wakes once a round, not twice. The broadcasts' waits have their
+    # own deadlines (and ``cancelled`` raises for an NCCL call that
+    # overstays its own); the answers' runs from the broadcasts' end.
+    answer_by: list[float] = []
+
+    def watch() -> None:
+        check()
+        if not answer_by and sent.done():
+            sent.result()  # the lane's failure
+            answer_by.append(time.monotonic() + timeout_s)
+
     for client, f in zip(control.clients, futures):
-        if not _await(f, deadline, check):
+        if not _await(f, lambda: answer_by[0] if answer_by else None, watch):
             raise TimeoutError(
                 f"{client.base_url}/update_weights did not answer within {timeout_s}s of the "
                 "last broadcast: a worker is stuck (in load_weights, or in NCCL waiting for "
                 "data that was never sent)")
+    _await(sent, None, check)
+    span = sent.result() - broadcaster.started if broadcaster.started else 0.0
     return span, max((f.result() for f in futures), default=0.0)
 
 
-def _await(future: Future, deadline: float | None, check: Check) -> bool:
+def _await(future: Future, deadline: float | Callable[[], float | None] | None,
+           check: Check) -> bool:
     """Wait for ``future`` (raising its exception), polling ``check``; False
-    once ``deadline`` (``time.monotonic()``) has passed."""
+    once ``deadline`` (``time.monotonic()``, or what a callable gives) has passed."""
     while True:
         check()
-        left = 0.05 if deadline is None else min(0.05, max(deadline - time.monotonic(), 0.0))
+        limit = deadline() if callable(deadline) else deadline
+        left = 0.05 if limit is None else min(0.05, max(limit - time.monotonic(), 0.0))
         try:
             future.result(timeout=left)
             return True
         except FutureTimeout:
-            if deadline is not None and time.monotonic() > deadline:
+            if limit is not None and time.monotonic() > limit:
                 return False
 
 
 class PendingSend:
-    """A push in flight on its own thread. ``result()`` waits for it.
+    """A push in flight. ``result()`` waits for it.
 
     ``done()``: whether it finished (either way). ``result(timeout)``: its
     ``SendStats``, or its ``SendError``; ``TimeoutError`` if it has not
     finished within ``timeout`` seconds (it goes on). A Ctrl-C while
     waiting cancels the push (the communicator is aborted) and propagates.
+
+    ``name``: the kept thread it runs on; None for a push the caller runs
+    itself (``run_here``, a blocking send), which ``cancel`` still stops.
     """
 
-    def __init__(self, work: Callable[[Check], SendStats], *, name: str,
-                 stuck: Callable[[], str]):
+    def __init__(self, work: Callable[[Check], SendStats], *, name: str | None):
         self._future: Future[SendStats] = Future()
         self._cancel = threading.Event()
         self._stopped = threading.Event()
         self._why = ""
-        self._stuck = stuck
-        run_in_thread(lambda: self._run(work), name)
+        self._work = work
+        if name is not None:
+            run_in_thread(self._run, name)
 
-    def _run(self, work: Callable[[Check], SendStats]) -> None:
+    def _run(self) -> None:
         try:
-            self._future.set_result(work(self._cancelled))
+            self._future.set_result(self._work(self._cancelled))
         except BaseException as e:
             self._future.set_exception(e)
         finally:
             self._stopped.set()
+
+    def run_here(self) -> SendStats:
+        """Run the push on the calling thread; its ``SendStats``, or what it
+        raised (a Ctrl-C meanwhile propagates, once the push has stopped)."""
+        self._run()
+        return self._future.result()
 
     def _cancelled(self) -> None:
         if self._cancel.is_set():
@@ -230,11 +303,6 @@ class PendingSend:
                     return self._future.result(timeout=0.05)
                 except FutureTimeout:
                     pass
-                stuck = self._stuck()
-                if stuck:  # inside NCCL past its deadline: give it up, never free under it
-                    self.cancel(stuck)
-                    raise SendError(f"weight push failed: {stuck}. The communicator was "
-                                    "abandoned; call reconnect() before the next send")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the push did not finish within {timeout}s; it goes "
                                        "on (wait again, or close() to cancel it)")

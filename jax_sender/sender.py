@@ -8,8 +8,9 @@ posts empty lists, which vLLM reads as "same as last time".
 
 How the trainer takes part is a *route*: ``SingleProcess`` (one trainer
 process sends everything) or ``ProcessGroup`` (several, see ``group.py``).
-The push itself runs on a thread of its own (``push.py``), so it can run
-while the trainer trains (``send(wait=False)``) and never hangs the caller.
+The NCCL calls run on a thread of their own (``push.py``), so a push never
+hangs the caller; ``send(wait=False)`` runs the whole push in the
+background, while the trainer trains.
 
 Failures never hang: every wait has a deadline, the HTTP calls are watched
 while NCCL works (a worker that refuses the update before its first
@@ -289,13 +290,14 @@ class WeightSender(BaseSender):
                             timeout, timeout * max(n_chunks, 1) + 60,
                             {t.turn.src: t.metas for t in turns}, ready)
         stats.prepare_s = time.perf_counter() - t0
-        pending = self._start(push, weight_version, pause, "jax-sender-push", t0)
         if snapshot is None and not wait:
             log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
                      "pushing blocking", nbytes, self.config.staging_bytes)
             wait = True
+        pending = self._start(push, weight_version, pause, None if wait else "jax-sender-push",
+                              t0)
         if wait:
-            return pending.result()
+            return pending.run_here()
         stats.returned_s = time.perf_counter() - t0
         return pending
 

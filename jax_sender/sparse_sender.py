@@ -2,7 +2,7 @@
 
 The backend is fixed when the server starts, so a sparse sender is a sender
 of its own, over the same core as ``WeightSender`` (``base.py``): the same
-connection, push thread, deadlines, failure handling, ``reconnect()`` and
+connection, NCCL thread, deadlines, failure handling, ``reconnect()`` and
 ``close()``. Only its round differs: per tensor, the int32 flat indices of
 the changed elements, then their values (two unpacked broadcasts), as
 vLLM's own sparse trainer issues them. The patches are built in
@@ -108,7 +108,7 @@ class SparseSender(BaseSender):
         push = PreparedPush([(update.to_payload(), broadcast)], stats, timeout,
                             self.config.wait_timeout_s(nbytes) + timeout)
         stats.prepare_s = time.perf_counter() - t0
-        stats = self._start(push, weight_version, pause, "jax-sender-sparse", t0).result()
+        stats = self._start(push, weight_version, pause, None, t0).run_here()
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
 

@@ -339,6 +339,57 @@ def test_a_send_while_one_is_in_flight_waits_for_it():
     assert server.routes().count("/start_weight_update") == 2
 
 
+def test_an_nccl_call_that_never_returns_is_abandoned_not_freed():
+    """A broadcast stuck inside an NCCL call (a peer gone while a connection
+    is set up) holds the push's NCCL thread: the caller still gets a
+    ``SendError`` past the deadline, the communicator is never aborted or
+    freed under that call, and reconnect() forms a new group. (The worker,
+    left inside its update, is the server's to recover: docs/failures.md.)"""
+    sender, (server,), caster = memory_sender(SendConfig(buffer_size_bytes=4096,
+                                                         send_timeout_s=0.2))
+    sender.send(params(1))
+    comm, release = sender.connection.comm, threading.Event()
+
+    def stuck(*args, **kwargs):  # as a blocking NCCL call that never returns
+        comm.in_call_since = time.monotonic()
+        release.wait(30)
+
+    caster.packed = stuck
+    t = time.monotonic()
+    with pytest.raises(SendError, match=r"an NCCL call did not return within 0.2\d*s .*"
+                                        r"abandoned; call reconnect\(\)"):
+        sender.send(params(2))
+    assert time.monotonic() - t < 1.5
+    assert sender.broken and not comm.aborted and [lane.busy for lane in sender._orphans] == [True]
+    sender.reconnect()  # the old communicator is left to its stuck call
+    assert not comm.aborted and not comm.destroyed
+    assert not sender.broken and sender.connection.comm is not comm
+    release.set()
+
+
+def test_a_blocking_push_talks_http_on_the_callers_thread():
+    """A blocking send makes its HTTP calls itself, as vLLM's torch engine
+    does (each handoff between threads costs a wake-up), except the
+    ``/update_weights`` in flight while the broadcasts run; the broadcasts run
+    on the NCCL thread."""
+    sender, (server,), caster = memory_sender(SMALL)
+    seen = []
+    for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+        call = getattr(sender.clients[0], name)
+        setattr(sender.clients[0], name, lambda *a, call=call, name=name: (
+            seen.append((name, threading.current_thread().name)), call(*a))[1])
+    put = caster._put
+    caster._put = lambda *a: (seen.append(("broadcast", threading.current_thread().name)),
+                              put(*a))[1]
+    sender.send(params())
+    me = threading.current_thread().name
+    assert [s for s in seen if s[0] != "broadcast"] == [
+        ("start_weight_update", me), ("update_weights", "vllm-update"),
+        ("finish_weight_update", me)]
+    assert {s for s in seen if s[0] == "broadcast"} == {("broadcast", "jax-sender-nccl")}
+    assert held(server) == expected(params())
+
+
 def test_close_cancels_a_push_in_flight():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
     pending = sender.send(params(), wait=False)
