@@ -277,6 +277,16 @@ class BaseSender:
         self._pending = PendingSend(work, name=name)
         return self._pending
 
+    def _push_here(self, push: PreparedPush, weight_version: str | None, pause: str | None,
+                   t0: float) -> SendStats:
+        """Run ``push`` on the calling thread (a blocking send): its figures,
+        or what it raised, which the caller alone receives."""
+        pending = self._start(push, weight_version, pause, None, t0)
+        try:
+            return pending.run_here()
+        finally:
+            self._pending = None
+
     def _join_pending(self) -> None:
         """At most one push in flight: wait for the one before (its own deadlines
         bound the wait); its failure, if any, leaves the sender broken."""

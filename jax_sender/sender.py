@@ -294,10 +294,9 @@ class WeightSender(BaseSender):
             log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
                      "pushing blocking", nbytes, self.config.staging_bytes)
             wait = True
-        pending = self._start(push, weight_version, pause, None if wait else "jax-sender-push",
-                              t0)
         if wait:
-            return pending.run_here()
+            return self._push_here(push, weight_version, pause, t0)
+        pending = self._start(push, weight_version, pause, "jax-sender-push", t0)
         stats.returned_s = time.perf_counter() - t0
         return pending
 

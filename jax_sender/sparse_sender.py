@@ -108,7 +108,7 @@ class SparseSender(BaseSender):
         push = PreparedPush([(update.to_payload(), broadcast)], stats, timeout,
                             self.config.wait_timeout_s(nbytes) + timeout)
         stats.prepare_s = time.perf_counter() - t0
-        stats = self._start(push, weight_version, pause, None, t0).run_here()
+        stats = self._push_here(push, weight_version, pause, t0)
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
 

@@ -400,6 +400,21 @@ def test_close_cancels_a_push_in_flight():
     assert sender.connection.comm.aborted and caster.closed
 
 
+def test_ctrl_c_during_a_blocking_send_aborts_and_close_still_works():
+    """The blocking push runs on the caller's thread, so the KeyboardInterrupt
+    lands in it: it propagates once the NCCL thread stopped and the
+    communicator is aborted, and the sender closes cleanly afterwards."""
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
+    threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        sender.send(params(1))
+    assert time.monotonic() - t < 2.0
+    assert sender.connection.comm.aborted and "KeyboardInterrupt" in sender.broken
+    sender.close()
+    assert caster.closed
+
+
 def test_ctrl_c_while_waiting_on_an_asynchronous_push_cancels_it():
     """As during a blocking send: the KeyboardInterrupt propagates, the push
     stops and aborts its communicator, and the sender refuses to push again
