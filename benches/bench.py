@@ -550,10 +550,53 @@ def _torch_pushes(url: str, pairs: list, job: dict) -> dict:
                 bytes=sum(t.numel() * t.element_size() for _, t in pairs), tensors=len(pairs))
 
 
+def _shipped_pushes(url: str, pairs: list, job: dict) -> dict:
+    """vLLM's torch engine as a torch user runs it over HTTP: with vLLM's own
+    client (``HTTPVLLMWeightSyncClient``: ``requests``, a new connection per
+    call); ``reps`` timed ``send_weights()`` after one warm-up."""
+    from functools import cached_property
+
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.nccl_engine import (
+        NCCLTrainerInitInfo,
+        NCCLTrainerWeightTransferEngine,
+    )
+
+    from jax_sender.testing.harness import free_port
+
+    class Source(WeightSource):
+        @cached_property  # vLLM requires it: its engines read it repeatedly
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+
+        def iter_full(self):
+            yield from pairs
+
+    client = HTTPVLLMWeightSyncClient(url)
+    engine = NCCLTrainerWeightTransferEngine.trainer_init(
+        NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                            world_size=2, packed=job["mode"] == "packed",
+                            packed_buffer_size_bytes=job["buffer"],
+                            packed_num_buffers=job["nbuf"]),
+        client=client, source=Source())
+    walls = []
+    for _ in range(job["reps"] + 1):
+        t = time.perf_counter()
+        engine.send_weights()
+        walls.append(time.perf_counter() - t)
+    engine.shutdown()
+    client.shutdown_weight_transfer_engine()
+    return dict(wall=walls[1:], bytes=sum(t.numel() * t.element_size() for _, t in pairs),
+                tensors=len(pairs))
+
+
 def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
     """The 4 KiB push (``job``), ours and vLLM's torch engine's taking turns in
     this one process, ``blocks`` blocks each (a new connection per block: the
-    server holds one engine at a time)."""
+    server holds one engine at a time). Torch's engine runs twice a block:
+    over our HTTP client (the senders' own work compared) and over vLLM's
+    (what a torch user pays)."""
     import jax
 
     from jax_sender import WeightSender
@@ -571,6 +614,7 @@ def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
             _emit(dict(job, sender="ours", **_pushes(sender, pairs, job["reps"], dev)))
         if with_torch == "1":
             _emit(dict(job, sender="torch", **_torch_pushes(url, tensors, job)))
+            _emit(dict(job, sender="shipped", **_shipped_pushes(url, tensors, job)))
 
 
 # -- orchestration -------------------------------------------------------------
@@ -795,11 +839,14 @@ def _fixed(data: dict, url: str, reps: int, vllm: bool) -> None:
     runs = _one("role_fixed", url, str(FIXED_BLOCKS), job,
                 "1" if vllm and "torch" in data else "0")
     data["fixed_blocks"] = FIXED_BLOCKS
-    for who in ("ours", "torch"):
+    for who in ("ours", "torch", "shipped"):
         mine = [{k: v for k, v in r.items() if k != "sender"} for r in runs
                 if r["sender"] == who]
         if mine:
-            data[who].append(_merged(mine))
+            if who == "shipped":
+                data["fixed_shipped"] = _merged(mine)
+            else:
+                data[who].append(_merged(mine))
             data.setdefault("fixed_block_medians", {})[who] = [
                 statistics.median(r["wall"]) for r in mine]
 
@@ -881,10 +928,22 @@ def _fixed_report(data: dict) -> list[str]:
     if theirs:
         lines.append(f"| vLLM's torch engine, `send_weights()` | {_ms(theirs['wall'])} | "
                      f"{min(theirs['wall']) * 1e3:.2f} | 1.00 |")
+    shipped = data.get("fixed_shipped")
+    if theirs and shipped:
+        lines.append("| the same over vLLM's own HTTP client (`HTTPVLLMWeightSyncClient`: "
+                     f"a new connection per call) | {_ms(shipped['wall'])} | "
+                     f"{min(shipped['wall']) * 1e3:.2f} | "
+                     f"{statistics.median(shipped['wall']) / statistics.median(theirs['wall']):.2f} |")
+        lines += ["", "Ratio: time / torch's engine over our HTTP client (which the other "
+                  "torch rows use too: the senders' own work compared). Ours / torch's "
+                  "engine over vLLM's own client, what a torch user runs: "
+                  f"{statistics.median(ours['wall']) / statistics.median(shipped['wall']):.2f}."]
     spread = data.get("fixed_block_medians", {})
     if spread:
+        names = {"shipped": "torch over vLLM's client"}
         lines += ["", "Block medians, ms (the host's drift from block to block): " + "; ".join(
-            f"{who} {min(m) * 1e3:.2f}-{max(m) * 1e3:.2f}" for who, m in spread.items()) + "."]
+            f"{names.get(who, who)} {min(m) * 1e3:.2f}-{max(m) * 1e3:.2f}"
+            for who, m in spread.items()) + "."]
     if theirs and "start" in ours and "start" in theirs:
         how = ("the `/update_weights` call timed inside its thread" if "update" in ours
                else "posting `/update_weights` to its answer; ours on the push thread")

@@ -189,14 +189,21 @@ def test_the_fixed_cost_row_joins_the_blocks_the_senders_took_in_turns(tmp_path)
     ours = _merged([dict(block(ms), update=[0.0028] * 4) for ms in (7.0, 7.2, 9.0)])
     assert ours["reps"] == 12 and len(ours["wall"]) == 12 and ours["bytes"] == 4096
     theirs = _merged([block(6.8), block(7.1), block(7.1)])
+    shipped = _merged([dict(wall=[ms / 1e3] * 4, reps=4, bytes=4096, tensors=1)
+                       for ms in (8.5, 9.0, 9.1)])
     data = {"reps": 1, "raw": [0.003], "target": "vLLM 0.33.0 consumer", "fixed_blocks": 3,
             "init": {"ours": [0.18], "vllm": [0.19]}, "ours": [ours], "torch": [theirs],
+            "fixed_shipped": shipped,
             "fixed_block_medians": {"ours": [0.0070, 0.0072, 0.0090],
-                                    "torch": [0.0068, 0.0071, 0.0071]}}
+                                    "torch": [0.0068, 0.0071, 0.0071],
+                                    "shipped": [0.0085, 0.0090, 0.0091]}}
     table = _redraw(data, tmp_path)
     assert "median ms. Ours and torch's took turns, 3 blocks of 4 pushes each." in table
     assert ("Block medians, ms (the host's drift from block to block): ours 7.00-9.00; "
-            "torch 6.80-7.10.") in table
+            "torch 6.80-7.10; torch over vLLM's client 8.50-9.10.") in table
     assert "| ours, `send()` | 7.20 | 7.00 | 1.01 |" in table
+    assert ("| the same over vLLM's own HTTP client (`HTTPVLLMWeightSyncClient`: a new "
+            "connection per call) | 9.00 | 8.50 | 1.27 |") in table
+    assert "Ours / torch's engine over vLLM's own client, what a torch user runs: 0.80." in table
     assert "update: the `/update_weights` call timed inside its thread" in table
     assert "| ours | 2.00 | 2.80 | 2.00 |" in table and "| torch | 2.00 | 3.00 | 2.00 |" in table
