@@ -5,13 +5,13 @@
 A 4 KiB push (the bench's fixed-cost row) through ``WeightSender.send``
 over the test suite's in-memory link (``tests/memory_link.py``): real HTTP
 on loopback with vLLM's session rules, the broadcast handed over in memory.
-Its HTTP calls are timed where they are made (start and finish on the push
-thread, the update inside its own thread: ``SendStats.update_s``); the rest
-of ``send()`` is the sender's own: validation, the push thread, the
-handoffs to and from the update's thread, the waits.
+Its HTTP calls are timed where they are made (start and finish on the
+caller's thread, the update inside its own thread: ``SendStats.update_s``);
+the rest of ``send()`` is the sender's own: validation, the handoffs to and
+from the update's and the NCCL calls' threads, the waits.
 That rest is what a sender adds to vLLM's three calls on any machine, and
-what this script measures; "prepare" is its part before the push thread
-starts (validation, the kept description). ``--tensors 20000 --sends 10``
+what this script measures; "prepare" is its part before the first HTTP
+call (validation, the kept description). ``--tensors 20000 --sends 10``
 pushes 20,000 such tensors instead of one.
 """
 

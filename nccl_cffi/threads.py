@@ -1,8 +1,9 @@
-"""Daemon threads kept for reuse: the blocking inits, a push, its HTTP calls.
+"""Daemon threads kept for reuse: the blocking inits, a push's NCCL calls,
+its HTTP calls.
 
 Why kept: ``Thread.start`` returns only once the new thread runs, which
 cost the caller 0.2-0.3 ms a thread on a 2-core host, and a push starts two
-(its own and its ``/update_weights`` call's); and ``ncclCommInitRank`` took
+(its NCCL calls' and its ``/update_weights`` call's); and ``ncclCommInitRank`` took
 ~13 ms longer on a fresh thread than on one that had made one before
 (2 x H200, NCCL 2.28.9: 42 against 29 ms, medians of 11).
 
