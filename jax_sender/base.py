@@ -259,6 +259,7 @@ class BaseSender:
                 if stopped:
                     self._fail(e, conn)
                 else:  # inside NCCL past its deadline: give it up, never free under it
+                    lane.then(lambda: conn.comm.abort("an abandoned NCCL call returned"))
                     self._orphans.append(lane)
                     self.broken = self.broken or "an NCCL call did not return"
                     self._forget()

@@ -13,16 +13,17 @@ blocking (its calls launch four times faster), and a blocking NCCL call
 can, in a rare failure (a peer gone while a connection is set up), never
 return; it then holds the lane's thread, while the protocol's thread, which
 makes no NCCL call, still fails the push with its reason. Why the caller's
-thread: each handoff between threads costs a wake-up (~0.05 ms); a blocking
-push whose protocol ran elsewhere paid two of them on top of the update
-call's, which is a twentieth of a 4 KiB push.
+thread: each handoff between threads costs a wake-up (~0.05 ms), and a
+blocking push whose protocol ran elsewhere paid two more of them, a few
+percent of a 4 KiB push.
 
 Every wait of the push polls ``check``, which raises once the push is
 cancelled (Ctrl-C, ``close``), a server answered with an error, or an NCCL
 call overstayed its deadline. On any failure the lane is stopped at its
 next poll and the communicator aborted once no NCCL call is in flight; a
 lane stuck inside one is abandoned instead: the sender is broken, the
-communicator is never freed under it, and ``reconnect()`` forms a new one.
+communicator is never freed under it (the lane aborts it if the call ever
+returns), and ``reconnect()`` forms a new one.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ class Lane:
         except FutureTimeout:
             return False
         return True
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the lane's thread once its round ends (at once if
+        none runs)."""
+        if self._job is None:
+            fn()
+        else:
+            self._job.add_done_callback(lambda _: fn())
 
     @property
     def busy(self) -> bool:

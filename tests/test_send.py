@@ -343,8 +343,9 @@ def test_an_nccl_call_that_never_returns_is_abandoned_not_freed():
     """A broadcast stuck inside an NCCL call (a peer gone while a connection
     is set up) holds the push's NCCL thread: the caller still gets a
     ``SendError`` past the deadline, the communicator is never aborted or
-    freed under that call, and reconnect() forms a new group. (The worker,
-    left inside its update, is the server's to recover: docs/failures.md.)"""
+    freed under that call, and reconnect() forms a new group; if the call
+    ever returns, the communicator is aborted then. (The worker, left
+    inside its update, is the server's to recover: docs/failures.md.)"""
     sender, (server,), caster = memory_sender(SendConfig(buffer_size_bytes=4096,
                                                          send_timeout_s=0.2))
     sender.send(params(1))
@@ -365,6 +366,10 @@ def test_an_nccl_call_that_never_returns_is_abandoned_not_freed():
     assert not comm.aborted and not comm.destroyed
     assert not sender.broken and sender.connection.comm is not comm
     release.set()
+    deadline = time.monotonic() + 5
+    while not comm.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert comm.aborted and not sender.connection.comm.aborted
 
 
 def test_a_blocking_push_talks_http_on_the_callers_thread():
