@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -453,11 +454,12 @@ def role_train_torch(url: str, steps: str) -> None:
                tensors=len(names)))
 
 
-def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int):
+def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int,
+                  client: Any = None):
     """vLLM 0.33.0's own trainer engine (torch) joined to the server at ``url``,
     its source ``pairs`` of (name, torch tensor) (replace ``source.pairs`` to
-    push others of the same names, shapes and dtypes), and an HTTP client
-    that times its calls."""
+    push others of the same names, shapes and dtypes), and its HTTP client:
+    ``client``, or ours timing its calls."""
     from functools import cached_property
 
     _vllm_path()
@@ -508,7 +510,7 @@ def _torch_engine(url: str, pairs: list, packed: bool, buffer: int, nbuf: int):
             self.http.finish_weight_update(weight_version)
             self.finishes.append(time.perf_counter() - t)
 
-    client, source = TimedClient(), Source(pairs)
+    client, source = client or TimedClient(), Source(pairs)
     engine = NCCLTrainerWeightTransferEngine.trainer_init(
         NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
                             world_size=2, packed=packed, packed_buffer_size_bytes=buffer,
@@ -533,62 +535,32 @@ def role_torch(url: str, jobs: str) -> None:
         _emit(dict(job, **_torch_pushes(url, pairs, job)))
 
 
-def _torch_pushes(url: str, pairs: list, job: dict) -> dict:
+def _torch_pushes(url: str, pairs: list, job: dict, shipped: bool = False) -> dict:
     """vLLM's torch engine joined to the server for ``job``: ``reps`` timed
-    ``send_weights()`` after one warm-up, and their figures; then shut down."""
+    ``send_weights()`` after one warm-up, and their figures; then shut down.
+    Over our HTTP client, which times each call; ``shipped``: over vLLM's
+    own (``HTTPVLLMWeightSyncClient``: ``requests``, a new connection per
+    call), as a torch user runs it."""
+    shipped_client = None
+    if shipped:
+        _vllm_path()
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        shipped_client = HTTPVLLMWeightSyncClient(url)
     engine, client, _ = _torch_engine(url, pairs, job["mode"] == "packed", job["buffer"],
-                                      job["nbuf"])
+                                      job["nbuf"], shipped_client)
     totals = []
     for _ in range(job["reps"] + 1):
         t = time.perf_counter()
         engine.send_weights()
         totals.append(time.perf_counter() - t)
     engine.shutdown()
-    client.http.shutdown_weight_transfer_engine()
-    return dict(transfer=client.spans[1:], total=totals[1:], wall=totals[1:],
-                start=client.starts[1:], finish=client.finishes[1:],
-                bytes=sum(t.numel() * t.element_size() for _, t in pairs), tensors=len(pairs))
-
-
-def _shipped_pushes(url: str, pairs: list, job: dict) -> dict:
-    """vLLM's torch engine as a torch user runs it over HTTP: with vLLM's own
-    client (``HTTPVLLMWeightSyncClient``: ``requests``, a new connection per
-    call); ``reps`` timed ``send_weights()`` after one warm-up."""
-    from functools import cached_property
-
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.nccl_engine import (
-        NCCLTrainerInitInfo,
-        NCCLTrainerWeightTransferEngine,
-    )
-
-    from jax_sender.testing.harness import free_port
-
-    class Source(WeightSource):
-        @cached_property  # vLLM requires it: its engines read it repeatedly
-        def metadata(self):
-            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in pairs]
-
-        def iter_full(self):
-            yield from pairs
-
-    client = HTTPVLLMWeightSyncClient(url)
-    engine = NCCLTrainerWeightTransferEngine.trainer_init(
-        NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
-                            world_size=2, packed=job["mode"] == "packed",
-                            packed_buffer_size_bytes=job["buffer"],
-                            packed_num_buffers=job["nbuf"]),
-        client=client, source=Source())
-    walls = []
-    for _ in range(job["reps"] + 1):
-        t = time.perf_counter()
-        engine.send_weights()
-        walls.append(time.perf_counter() - t)
-    engine.shutdown()
-    client.shutdown_weight_transfer_engine()
-    return dict(wall=walls[1:], bytes=sum(t.numel() * t.element_size() for _, t in pairs),
-                tensors=len(pairs))
+    (client if shipped else client.http).shutdown_weight_transfer_engine()
+    out = dict(total=totals[1:], wall=totals[1:], tensors=len(pairs),
+               bytes=sum(t.numel() * t.element_size() for _, t in pairs))
+    if not shipped:
+        out.update(transfer=client.spans[1:], start=client.starts[1:],
+                   finish=client.finishes[1:])
+    return out
 
 
 def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
@@ -614,7 +586,7 @@ def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
             _emit(dict(job, sender="ours", **_pushes(sender, pairs, job["reps"], dev)))
         if with_torch == "1":
             _emit(dict(job, sender="torch", **_torch_pushes(url, tensors, job)))
-            _emit(dict(job, sender="shipped", **_shipped_pushes(url, tensors, job)))
+            _emit(dict(job, sender="shipped", **_torch_pushes(url, tensors, job, True)))
 
 
 # -- orchestration -------------------------------------------------------------
