@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 
@@ -21,6 +21,9 @@ from .config import SendConfig
 from .errors import MetadataError, TransferError
 from .group import BroadcastPlan, TrainerGroup, broadcast_plan, owners_of
 from .plan import TensorMeta
+
+if TYPE_CHECKING:
+    from .base import Sources
 
 
 def first_gpu() -> int:
@@ -71,7 +74,7 @@ class SingleProcess:
                        packed_num_buffers=c.num_buffers, timeout=timeout_s,
                        use_load_plan=self.metadata is not None, metadata=self.metadata)
 
-    def plan(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]) -> BroadcastPlan:
+    def plan(self, metas: list[TensorMeta], sources: Sources) -> BroadcastPlan:
         return BroadcastPlan.single(len(metas))
 
 
@@ -97,8 +100,8 @@ class ProcessGroup:
     def form(self, timeout_s: float) -> Connection | None:
         return self.group.form(timeout_s)
 
-    def plan(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]) -> BroadcastPlan:
-        plan = broadcast_plan(metas, [owners_of(a) for _, a in sources])
+    def plan(self, metas: list[TensorMeta], sources: Sources) -> BroadcastPlan:
+        plan = broadcast_plan(metas, [owners_of(a) for a in sources.arrays])
         if plan.group != self.group.plan.group:
             raise MetadataError(
                 f"these arrays are broadcast by processes {list(plan.group)}, but the group "

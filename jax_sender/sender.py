@@ -34,7 +34,7 @@ import numpy as np
 
 from uniqueid import UpdateInfo, as_clients
 
-from .base import BaseSender, PreparedPush, Servers, describe
+from .base import BaseSender, PreparedPush, Servers, Sources, describe
 from .config import SendConfig
 from .errors import TransferError
 from .group import (
@@ -132,7 +132,7 @@ class WeightSender(BaseSender):
         plan = None if load_plan is None else LoadPlan(describe(load_plan, mapping)[0])
         metas, sources = describe(params, mapping)
         process = jax.process_index()
-        group = TrainerGroup(broadcast_plan(metas, [owners_of(a) for _, a in sources]),
+        group = TrainerGroup(broadcast_plan(metas, [owners_of(a) for a in sources.arrays]),
                              process, device, share,
                              as_clients(servers) if process == 0 else [], config,
                              None if plan is None else plan.to_payload(), workers)
@@ -140,7 +140,7 @@ class WeightSender(BaseSender):
         return cls(route.form(config.init_timeout_s), route, mapping=mapping, config=config,
                    load_plan=plan)
 
-    def _snapshot(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]],
+    def _snapshot(self, metas: list[TensorMeta], sources: Sources,
                   turn: TurnUpdate) -> Snapshot | None:
         """Private copies of what the push sends, dispatched now, in the
         caller's thread: XLA runs them before anything the trainer dispatches
@@ -157,11 +157,11 @@ class WeightSender(BaseSender):
             return Snapshot(self._write_chunks(turn, metas, sources), chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
-        return Snapshot(_copier(tuple(p for p, _ in sources), self.mapping.transform)(
-            [a for _, a in sources]), chunks=False)
+        return Snapshot(_copier(tuple(sources.paths), self.mapping.transform)(
+            sources.arrays), chunks=False)
 
     def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
-                      sources: list[tuple[Any, Any]]) -> list[jax.Array]:
+                      sources: Sources) -> list[jax.Array]:
         """Every chunk of ``turn``, dispatched, each written into the buffer
         the last asynchronous push used for it (donated, so nothing is
         allocated). Called only once that push is over: its broadcasts read
@@ -174,14 +174,14 @@ class WeightSender(BaseSender):
         return out
 
     def _packs(self, turn: TurnUpdate, metas: list[TensorMeta],
-               sources: list[tuple[Any, Any]], *, copy: bool = False
+               sources: Sources, *, copy: bool = False
                ) -> Callable[[int, jax.Array | None], jax.Array]:
         """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
         written into ``spare`` when it fits (``packing.write_chunk``). A chunk
         of one tensor is the transform's output itself, unless ``copy`` (a
         snapshot must not share the caller's arrays)."""
-        paths = [sources[i][0] for i in turn.turn.params]
-        arrays = [sources[i][1] for i in turn.turn.params]
+        paths = [sources.paths[i] for i in turn.turn.params]
+        arrays = [sources.arrays[i] for i in turn.turn.params]
         transform = self.mapping.transform
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:
@@ -191,7 +191,7 @@ class WeightSender(BaseSender):
             return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
         return make
 
-    def _turns_of(self, metas: list[TensorMeta], sources: list[tuple[Any, Any]]
+    def _turns_of(self, metas: list[TensorMeta], sources: Sources
                   ) -> list[TurnUpdate]:
         """Every turn's tensors in wire order, its chunks and ``update_info``.
         A single process keeps order and chunks while its metadata stays the
@@ -246,7 +246,7 @@ class WeightSender(BaseSender):
                           all(t.update.reuse for t in turns), 0.0)
         if self.connection is None:  # outside the transfer group: only the gathers,
             # in the order the broadcasters gather (their turns, in wire order)
-            join_gathers([t.turn for t in turns], [a for _, a in sources], self.group.process,
+            join_gathers([t.turn for t in turns], sources.arrays, self.group.process,
                          timeout)
             stats.prepare_s = stats.returned_s = time.perf_counter() - t0
             return stats
@@ -259,7 +259,7 @@ class WeightSender(BaseSender):
             ready = functools.partial(jax.block_until_ready, snapshot.arrays)
         else:
             get, temporaries = self._getter(metas, sources)
-            ready = None if temporaries else _readiness([a for _, a in sources])
+            ready = None if temporaries else _readiness(sources.arrays)
         rank = self.route.rank
         packed = info.packed
 
