@@ -67,8 +67,7 @@ def _structure(params: Any) -> tuple[Any, list[Any]] | None:
     and each leaf's aval (shape, dtype) and sharding (placement). JAX
     shares one aval object among arrays of a shape and dtype, so two keys
     compare by identity there; the shardings by value (11 ms for 20,000
-    arrays on an H200, all of ``prepare``, against 39 ms for shapes and
-    dtypes read one by one)."""
+    arrays on an H200, against 39 ms for shapes and dtypes read one by one)."""
     if isinstance(params, (list, tuple)) and params and isinstance(params[0], tuple):
         names = tuple(p[0] for p in params)
         leaves = [p[1] for p in params]
