@@ -258,12 +258,14 @@ class Broadcaster:
                 self._retire_oldest(timeout, check)
 
         for c in chunks:
-            while not ahead or can_make():
+            while True:  # make what may be made; with nothing made, make room
                 if can_make():
                     spare = spare_for(made)
                     self._spares = [a for a in self._spares if a is not spare]
                     ahead.append(make(made, spare))
                     made += 1
+                elif ahead:
+                    break
                 else:
                     free_one()
             arr = ahead.popleft()

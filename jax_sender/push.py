@@ -257,6 +257,10 @@ def _await(future: Future, deadline: float | Callable[[], float | None] | None,
                 return False
 
 
+def _no_check() -> None:
+    pass
+
+
 class PendingSend:
     """A push in flight. ``result()`` waits for it.
 
@@ -307,14 +311,10 @@ class PendingSend:
     def result(self, timeout: float | None = None) -> SendStats:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                try:
-                    return self._future.result(timeout=0.05)
-                except FutureTimeout:
-                    pass
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"the push did not finish within {timeout}s; it goes "
-                                       "on (wait again, or close() to cancel it)")
+            if _await(self._future, deadline, _no_check):
+                return self._future.result()
+            raise TimeoutError(f"the push did not finish within {timeout}s; it goes on "
+                               "(wait again, or close() to cancel it)")
         except KeyboardInterrupt:
             self.cancel("KeyboardInterrupt")
             self.wait_stopped(CANCEL_GRACE_S)
