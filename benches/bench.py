@@ -174,6 +174,12 @@ def _workload_pairs(name: str) -> list:
     return pairs
 
 
+def _torch_pairs(name: str) -> list:
+    """Workload ``name`` as (name, random bfloat16 torch tensor on the GPU) pairs."""
+    import torch
+    return [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda")) for n, s in workload(name)]
+
+
 def role_seq(urls: str, jobs: str) -> None:
     """One sender per server, pushing to them one after another (the baseline
     for one broadcast feeding every server)."""
@@ -529,8 +535,7 @@ def role_torch(url: str, jobs: str) -> None:
         if job["workload"] != current:
             pairs = None
             torch.cuda.empty_cache()
-            pairs = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
-                     for n, s in workload(job["workload"])]
+            pairs = _torch_pairs(job["workload"])
             current = job["workload"]
         _emit(dict(job, **_torch_pushes(url, pairs, job)))
 
@@ -579,8 +584,7 @@ def role_fixed(url: str, blocks: str, job: str, with_torch: str) -> None:
         _vllm_path()
         import torch
         torch.cuda.set_device(0)
-        tensors = [(n, torch.randn(s, dtype=torch.bfloat16, device="cuda"))
-                   for n, s in workload(job["workload"])]
+        tensors = _torch_pairs(job["workload"])
     for _ in range(int(blocks)):
         with WeightSender.connect(url, config=_config(job)) as sender:
             _emit(dict(job, sender="ours", **_pushes(sender, pairs, job["reps"], dev)))
