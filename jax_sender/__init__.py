@@ -1,7 +1,8 @@
 """Push JAX arrays into vLLM workers over NCCL, with no torch.
 
-Names load on first use, so ``python -m jax_sender.demo`` can say what is
-missing (JAX, a GPU) in a sentence instead of failing on an import.
+The public names are these; everything under ``jax_sender._src`` is
+internal. Names load on first use, so ``python -m jax_sender.demo`` can say
+what is missing (JAX, a GPU) in a sentence instead of failing on an import.
 """
 
 from __future__ import annotations
@@ -11,32 +12,43 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "SendConfig": "config",
-    "GatherTimeout": "errors", "MetadataError": "errors", "SendError": "errors",
-    "TransferError": "errors",
+    "GatherTimeout": "errors", "MetadataError": "errors", "PushCancelled": "errors",
+    "SendError": "errors", "SenderClosed": "errors", "TransferError": "errors",
+    "UpdateIncomplete": "errors",
     "LLAMA": "naming", "Mapping": "naming", "flatten": "naming", "llama_name": "naming",
     "llama_transform": "naming", "named_arrays": "naming",
     "WIRE_DTYPES": "plan", "Chunk": "plan", "LoadPlan": "plan", "TensorMeta": "plan",
     "plan_chunks": "plan", "wire_order": "plan",
-    "PendingSend": "push", "PushCancelled": "push", "SendStats": "push",
-    "VerifyResult": "sender", "WeightSender": "sender", "describe": "base",
+    "PendingSend": "session", "SendStats": "stats", "describe": "describe",
+    "VerifyResult": "sender", "WeightSender": "sender",
     "SparseSender": "sparse_sender",
 }
 __all__ = [
     "LLAMA", "WIRE_DTYPES", "Chunk", "GatherTimeout", "LoadPlan", "Mapping", "MetadataError",
-    "PendingSend", "PushCancelled", "SendConfig", "SendError", "SendStats", "SparseSender", "TensorMeta",
-    "TransferError", "VerifyResult", "WeightSender", "describe", "flatten", "llama_name",
-    "llama_transform", "named_arrays", "plan_chunks", "wire_order",
+    "PendingSend", "PushCancelled", "SendConfig", "SendError", "SendStats", "SenderClosed",
+    "SparseSender", "TensorMeta", "TransferError", "UpdateIncomplete", "VerifyResult",
+    "WeightSender", "describe", "flatten", "llama_name", "llama_transform", "named_arrays",
+    "plan_chunks", "wire_order",
 ]
 
 if TYPE_CHECKING:
-    from .base import describe
-    from .config import SendConfig
-    from .errors import GatherTimeout, MetadataError, SendError, TransferError
-    from .naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
-    from .plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
-    from .push import PendingSend, PushCancelled, SendStats
-    from .sender import VerifyResult, WeightSender
-    from .sparse_sender import SparseSender
+    from ._src.config import SendConfig
+    from ._src.describe import describe
+    from ._src.errors import (
+        GatherTimeout,
+        MetadataError,
+        PushCancelled,
+        SenderClosed,
+        SendError,
+        TransferError,
+        UpdateIncomplete,
+    )
+    from ._src.naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
+    from ._src.plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
+    from ._src.sender import VerifyResult, WeightSender
+    from ._src.session import PendingSend
+    from ._src.sparse_sender import SparseSender
+    from ._src.stats import SendStats
 
 
 assert sorted(__all__) == sorted(_EXPORTS)
@@ -45,7 +57,7 @@ assert sorted(__all__) == sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jax_sender' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    value = getattr(importlib.import_module(f"._src.{_EXPORTS[name]}", __name__), name)
     globals()[name] = value
     return value
 

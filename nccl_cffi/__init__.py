@@ -24,9 +24,10 @@ from .errors import (
     NcclTimeoutError,
     RemoteError,
     UnhandledCudaError,
-    make_error,
 )
 from .library import LibraryInfo, library_info, load_library, nccl_version
+from .results import make_error
+from .waiting import Deadline, Job, JobStopped, await_future, in_background, poll_until
 
 init_rank = Communicator.init_rank
 
@@ -38,4 +39,5 @@ __all__ = [
     "as_buffer", "dtype_name", "get_unique_id", "group", "init_rank", "itemsize",
     "library_info", "load_library", "make_error", "nccl_type", "nccl_version",
     "numpy_dtype", "unique_id_from_bytes", "unique_id_to_bytes",
+    "Deadline", "Job", "JobStopped", "await_future", "in_background", "poll_until",
 ]

@@ -25,17 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from . import cuda
 from ._ffi import ffi
 from .buffers import DeviceBuffer, as_buffer
 from .dtypes import dtype_name, nccl_type
-from .errors import IN_PROGRESS, SUCCESS, InvalidUsageError, NcclTimeoutError, make_error
-from .errors import check as check_rc
+from .errors import InvalidUsageError, NcclTimeoutError
 from .library import load_library, nccl_version
-from .threads import run_in_thread
+from .results import IN_PROGRESS, SUCCESS, make_error
+from .results import check as check_rc
+from .waiting import Deadline, Job, poll_until
 
 UNIQUE_ID_BYTES = 128
 DEFAULT_INIT_TIMEOUT = 300.0
@@ -157,7 +157,7 @@ class Communicator:
         """A non-blocking init (and ``then``), aborted if it fails or stalls."""
         lib = load_library()
         out = ffi.new("ncclComm_t *")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         rc = lib.ncclCommInitRankConfig(out, nranks, uid, rank, _config(blocking=False))
         if out[0] == ffi.NULL:
             raise make_error(rc if rc != SUCCESS else 3, "ncclCommInitRankConfig")
@@ -169,7 +169,7 @@ class Communicator:
         comm._settle("ncclCommInitRank", timeout, why, check)
         if then is not None:
             try:
-                then(comm, _left(deadline), check or _no_check)
+                then(comm, deadline.left(), check or _no_check)
             except BaseException:
                 comm.abort("initialisation failed")
                 raise
@@ -180,62 +180,48 @@ class Communicator:
                        timeout: float | None, check: Callable[[], None] | None,
                        then: Callable[[Communicator, float | None, Callable[[], None]], None]
                        | None, why: str) -> Communicator:
-        """A blocking init (and ``then``) on a daemon thread, waited for with a deadline."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        result: Future[Communicator] = Future()
-        lock = threading.Lock()
-        abandoned = threading.Event()
+        """A blocking init (and ``then``) on a kept thread (a ``Job``), waited
+        for with a deadline; given up, it aborts what it made if it ever returns."""
+        deadline = Deadline(timeout)
 
-        def given_up() -> None:
-            if abandoned.is_set():
-                raise NcclTimeoutError("the caller gave up on this init")
-
-        def run() -> None:
-            comm = None
+        def run(given_up: Callable[[], None]) -> Communicator:
+            cuda.use_device(device)
+            out = ffi.new("ncclComm_t *")
+            rc = load_library().ncclCommInitRankConfig(out, nranks, uid, rank,
+                                                       _config(blocking=True))
+            comm = None if out[0] == ffi.NULL else cls(out[0], nranks=nranks, rank=rank,
+                                                      device=device, blocking=True)
             try:
-                cuda.use_device(device)
-                out = ffi.new("ncclComm_t *")
-                rc = load_library().ncclCommInitRankConfig(out, nranks, uid, rank,
-                                                           _config(blocking=True))
-                if out[0] != ffi.NULL:
-                    comm = cls(out[0], nranks=nranks, rank=rank, device=device, blocking=True)
                 if rc != SUCCESS:
                     raise make_error(rc, "ncclCommInitRankConfig", out[0] if comm else None)
                 given_up()
                 if then is not None:
-                    then(comm, _left(deadline), given_up)
-                with lock:
-                    given_up()
-                    result.set_result(comm)
-            except BaseException as e:
+                    then(comm, deadline.left(), given_up)
+            except BaseException:
                 if comm is not None:
-                    comm.abort("init given up" if abandoned.is_set() else "init failed")
-                with lock:
-                    if not abandoned.is_set():
-                        result.set_exception(e)
+                    comm.abort("init failed")
+                raise
+            return comm
 
-        run_in_thread(run, "nccl-init")
+        job = Job(run, name="nccl-init")
         try:
-            while True:
-                try:
-                    return result.result(timeout=0.05 if deadline is None
-                                         else min(0.05, max(_left(deadline), 0.0)))
-                except FutureTimeout:
-                    pass
-                if check is not None:
-                    check()
-                if deadline is not None and time.monotonic() > deadline:
-                    raise NcclTimeoutError(
-                        f"ncclCommInitRank did not complete within {timeout}s; the init was "
-                        f"abandoned (a blocking init cannot be aborted). {why}")
+            if job.wait(deadline.at, check or _no_check):
+                return job.future.result()
+            raise NcclTimeoutError(
+                f"ncclCommInitRank did not complete within {timeout}s; the init was "
+                f"abandoned (a blocking init cannot be aborted). {why}")
         except BaseException:
-            with lock:
-                if result.done() and result.exception() is None:
-                    result.result().abort("init given up")
-                abandoned.set()
+            job.stop(0.0)
+            job.then(_abort_made)
             raise
 
     # -- state ----------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``"open"``, or why it is closed (``closed_reason``: "destroyed", an
+        abort's reason). Anything but ``"open"`` takes no more calls."""
+        return "open" if self._handle is not None else (self.closed_reason or "destroyed")
+
     def _live(self) -> Any:
         if self._handle is None:
             raise InvalidUsageError(
@@ -263,7 +249,7 @@ class Communicator:
     def _settle(self, call: str, timeout: float | None, why: str,
                 check: Callable[[], None] | None = None) -> None:
         """Poll until NCCL finished the last call on a non-blocking comm."""
-        cuda.poll_until(
+        poll_until(
             lambda: self.get_async_error() != IN_PROGRESS, timeout,
             check=self._guard(call, check),
             on_timeout=lambda: self._timeout(call, timeout, why),
@@ -463,19 +449,21 @@ class Communicator:
             self.check_async(what)
             guard()
 
-        cuda.poll_until(
+        poll_until(
             event.done, timeout, check=watch,
             on_timeout=lambda: self._timeout(
                 what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
         )
 
 
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
 def _no_check() -> None:
     pass
+
+
+def _abort_made(init: Future[Communicator]) -> None:
+    """An abandoned init's cleanup: abort the communicator it made, if any."""
+    if not init.cancelled() and init.exception() is None:
+        init.result().abort("init given up")
 
 
 _group_depth = threading.local()

@@ -1,17 +1,15 @@
 """The few CUDA driver calls NCCL's host side needs, through ``cuda.bindings``.
 
 Contexts (NCCL uses the calling thread's current device), non-blocking
-streams, events, device-to-device copies, and a poll-with-deadline wait: the
-driver offers no timed wait, and a stream stuck behind a collective whose
-peer died never completes, so every wait here is a query loop with a way out.
+streams, events and device-to-device copies. The driver offers no timed
+wait, so waits on events poll (``waiting.poll_until``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import cache
 
 from ._ffi import ffi
@@ -65,6 +63,31 @@ def device_count() -> int:
         return device_count_or_raise()
     except CudaError:
         return 0
+
+
+def check_device(ordinal: int) -> None:
+    """Make sure ``ordinal`` names a visible GPU that takes a context, before
+    anything depends on it (a peer sent into an init that this device then
+    fails would wait there for ever).
+
+    Args:
+        ordinal: the CUDA device ordinal.
+
+    Raises:
+        CudaError: one sentence naming the device, how many there are and
+            the fix.
+    """
+    count = device_count_or_raise()
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < count:
+        raise CudaError(
+            f"there is no CUDA device {ordinal!r} here: {count} visible (ordinals 0 to "
+            f"{count - 1}); pass one of those, or check CUDA_VISIBLE_DEVICES")
+    try:
+        with on_device(ordinal):
+            pass
+    except CudaError as e:
+        raise CudaError(f"CUDA device {ordinal} cannot be used ({e}): is it busy in "
+                        "exclusive-process mode, or out of memory?") from e
 
 
 @cache
@@ -202,34 +225,6 @@ def copy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     """Device-to-device copy of ``nbytes`` on ``stream``."""
     _raw_check(_raw()[1].cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream._ptr),
                "cuMemcpyDtoDAsync")
-
-
-def poll_until(done: Callable[[], bool], timeout: float | None, *,
-               check: Callable[[], None] = lambda: None,
-               on_timeout: Callable[[], BaseException]) -> None:
-    """Call ``done`` until it is true, ``check`` between calls (it may raise).
-
-    Spins for the first 100 us (a sleep lasts >= ~60 us whatever it asks for,
-    which would cost every short wait, e.g. one per tensor in a per-tensor
-    push), then sleeps, backing off to 200 us: a waiting pipeline reacts within
-    0.2 ms (a 1 GiB chunk takes ~3 ms on NVLink) and a long wait costs a few
-    thousand wake-ups a second. Past ``timeout`` seconds, raises
-    ``on_timeout()`` (which is where a caller aborts its communicator).
-    """
-    if done():
-        return
-    now = time.monotonic()
-    deadline = None if timeout is None else now + timeout
-    spin_until = now + 1e-4
-    pause = 2e-5
-    while not done():
-        check()
-        now = time.monotonic()
-        if deadline is not None and now > deadline:
-            raise on_timeout()
-        if now > spin_until:
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-4)
 
 
 class DeviceMemory:

@@ -1,17 +1,11 @@
-"""Typed NCCL errors: one subclass per ``ncclResult_t``, with NCCL's own text.
+"""Typed NCCL errors: one subclass per ``ncclResult_t``.
 
-Each error carries the result code, ``ncclGetErrorString`` and, where the
-library has it, ``ncclGetLastError`` (the detailed reason NCCL logged, e.g.
-"Mismatched NCCL version detected"). Two failures that users hit at init get
-a hint that says what to do.
+The classes alone, importing nothing, so that every module (the library
+loader among them) can raise them; ``results.py`` turns a failed call's
+result code into one of them, with NCCL's own text.
 """
 
 from __future__ import annotations
-
-from ._ffi import ffi
-
-SUCCESS = 0
-IN_PROGRESS = 7
 
 
 class NcclError(RuntimeError):
@@ -75,50 +69,7 @@ class NcclTimeoutError(NcclError, TimeoutError):
     code = 8
 
 
-_BY_CODE = {cls.code: cls for cls in (
+BY_CODE: dict[int, type[NcclError]] = {cls.code: cls for cls in (
     UnhandledCudaError, NcclSystemError, InternalError, InvalidArgumentError,
     InvalidUsageError, RemoteError, NcclTimeoutError)}
-
-# Substrings of NCCL's last-error text -> what the user should do about them.
-_HINTS = (
-    ("Mismatched NCCL version",
-     "every rank must load the same libnccl build: point NCCL_LIBRARY (or "
-     "VLLM_NCCL_SO_PATH) at the libnccl.so.2 your vLLM server loads, or install "
-     "the same nvidia-nccl-cu* wheel version on both sides; see `library_info()`"),
-    ("Duplicate GPU",
-     "two ranks are on the same GPU: give the trainer a GPU that no vLLM worker "
-     "uses (CUDA_VISIBLE_DEVICES on either side)"),
-)
-
-
-def error_string(code: int) -> str:
-    from .library import load_library
-    return ffi.string(load_library().ncclGetErrorString(code)).decode(errors="replace")
-
-
-def last_error(comm=None) -> str:
-    from .library import has_symbol, load_library
-    if not has_symbol("ncclGetLastError"):
-        return ""
-    text = load_library().ncclGetLastError(comm if comm is not None else ffi.NULL)
-    return ffi.string(text).decode(errors="replace") if text != ffi.NULL else ""
-
-
-def make_error(code: int, call: str, comm=None) -> NcclError:
-    """The typed error for result ``code`` returned by ``call``."""
-    detail = last_error(comm)
-    msg = f"{call} failed: {error_string(code)} (ncclResult_t {code})"
-    if detail:
-        msg += f": {detail}"
-    for needle, hint in _HINTS:
-        if needle in detail:
-            msg += f". Fix: {hint}"
-    cls = _BY_CODE.get(code, NcclError)
-    return cls(msg, code=code, last_error=detail)
-
-
-def check(code: int, call: str, comm=None) -> int:
-    """Raise the typed error for a failed result; pass success and in-progress through."""
-    if code not in (SUCCESS, IN_PROGRESS):
-        raise make_error(code, call, comm)
-    return code
+"""The error class of each ``ncclResult_t`` this package names (others: ``NcclError``)."""

@@ -165,8 +165,10 @@ def load_library(path: str | os.PathLike | None = None):
                 try:
                     lib = _open(real)
                     code = _version_of(lib)
-                except (OSError, AttributeError) as e:
-                    problem = f"{real} did not load ({e})"
+                except (OSError, AttributeError, ffi.error) as e:
+                    # ffi.error: a library that loads but lacks ncclGetVersion (not NCCL)
+                    problem = (f"{real} is not libnccl (it has no ncclGetVersion)"
+                               if isinstance(e, ffi.error) else f"{real} did not load ({e})")
                 else:
                     tried.append(f"{source}: {real} (loaded)")
                     _lib = lib
@@ -203,6 +205,6 @@ def has_symbol(name: str) -> bool:
     """Whether the loaded libnccl exports ``name`` (older builds lack some)."""
     try:
         getattr(load_library(), name)
-    except AttributeError:
+    except (AttributeError, ffi.error):
         return False
     return True

@@ -10,3 +10,9 @@ class RendezvousError(RuntimeError):
 
 class RendezvousTimeout(RendezvousError, TimeoutError):
     """Joining the workers did not finish within the deadline."""
+
+
+class ServerStuck(RendezvousTimeout):
+    """A server's weight-transfer engine does not answer: its workers are
+    most likely inside an NCCL call whose peer left, which vLLM gives no
+    deadline; only a restart of that server frees them."""

@@ -1,36 +1,72 @@
-"""Joining vLLM's workers through the unique-id path, warm-up included.
+"""Joining vLLM's workers through the unique-id path, warm-up included, and
+leaving them ready for the next trainer.
 
 vLLM's workers enter ``ncclCommInitRank`` when ``/init_weight_transfer_engine``
 reaches them and then issue a one-element float32 sum ``all_reduce`` (the
 warm-up) before anything else. There is no barrier and vLLM sets no
-timeout, so the trainer must post the HTTP call *concurrently* with its own
-init, match the warm-up, and bound every wait itself. While it waits it also
-watches the HTTP call: a server that refuses init (HTTP 4xx/5xx) ends the
-trainer's init at once instead of leaving it waiting for peers that will
-never come.
+timeout: once the init is posted, a trainer that fails to join leaves the
+workers waiting inside NCCL for ever, and only a restart of the server frees
+them. So everything the trainer can check is checked first (``preflight``:
+the device exists and takes a context, libnccl loads; the servers' world
+sizes are sane), and only then is the init posted, *concurrently* with the
+trainer's own init, whose deadline bounds the whole call. While it waits it
+watches the HTTP calls: a server that refuses init ends the trainer's init
+at once.
+
+Leaving (``Connection.close``): vLLM refuses to shut its engine down while
+an update session is open, so a session left open is finished first; a
+server whose engine does not answer at all is named as needing a restart.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from nccl_cffi import DEFAULT_INIT_TIMEOUT, Communicator, NcclTimeoutError, cuda
+from nccl_cffi import (
+    DEFAULT_INIT_TIMEOUT,
+    Communicator,
+    Deadline,
+    NcclTimeoutError,
+    await_future,
+    cuda,
+    in_background,
+    load_library,
+)
 
-from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, in_background
+from .client import VLLMClient, VLLMHTTPError, VLLMTimeout
 from .codec import UniqueId
-from .errors import RendezvousError, RendezvousTimeout
+from .errors import RendezvousError, RendezvousTimeout, ServerStuck
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
 
-# Beyond the NCCL deadline, how long the server's init answer may lag behind.
-_HTTP_GRACE = 30.0
+log = logging.getLogger("uniqueid")
+
+# Of connect's deadline, what is kept for the servers' init answers after
+# the trainer's own init and warm-up (the workers answer right after theirs).
+_ANSWER_RESERVE = 0.1
+_ANSWER_RESERVE_MAX_S = 5.0
+# The most workers one server may report: far beyond any deployment; a
+# larger answer is a misconfigured or impostor server.
+MAX_WORKERS = 1 << 16
+
+Servers = str | VLLMClient | Sequence[str | VLLMClient]
 
 
 def warm_up(comm: Communicator, timeout: float | None,
             check: Callable[[], None] | None = None) -> None:
-    """The handshake every vLLM worker expects: all_reduce(count=1, float32, sum)."""
+    """The handshake every vLLM worker expects right after init:
+    ``all_reduce(count=1, float32, sum)``.
+
+    Args:
+        comm: the new communicator.
+        timeout: seconds for the collective and its wait.
+        check: polled while waiting; what it raises ends the wait (and aborts ``comm``).
+
+    Raises:
+        NcclError: the collective failed or overran ``timeout`` (``comm`` aborted).
+    """
     mem = cuda.DeviceMemory(8, comm.device)
     stream = cuda.Stream(comm.device)
     try:
@@ -39,24 +75,84 @@ def warm_up(comm: Communicator, timeout: float | None,
         comm.wait(stream, timeout, what="warm-up all_reduce", check=check)
     finally:
         stream.close()
-        if comm._handle is not None:  # after an abort the kernel may not be freeable
+        if comm.state == "open":  # after an abort the kernel may not be freeable
             mem.free()
+
+
+def preflight(device: int) -> None:
+    """What the trainer can check before any server is told to join it: the
+    device exists and takes a context, and libnccl loads.
+
+    Args:
+        device: the trainer's CUDA ordinal.
+
+    Raises:
+        CudaError: no such device, or it cannot be used.
+        NcclLibraryNotFound: no usable libnccl.
+    """
+    load_library()
+    cuda.check_device(device)
 
 
 def handshake(world_size: int, unique_id: UniqueId, rank: int, device: int, *,
               timeout: float | None = DEFAULT_INIT_TIMEOUT,
               check: Callable[[], None] | None = None, blocking: bool = True) -> Communicator:
-    """Init and warm up, with a deadline for both, without any HTTP.
+    """Init and warm up, with one deadline for both, without any HTTP.
 
     For control planes of the caller's own: ship ``unique_id.to_b64()`` to
     the workers by any means, then call this on the trainer; every worker
     must do the same init and warm-up. The communicator is blocking, as
     vLLM's are (its collectives launch four times faster); its init runs on
-    a daemon thread that is abandoned if the deadline passes (see
+    a kept thread that is abandoned if the deadline passes (see
     ``nccl_cffi.Communicator.init_rank``).
+
+    Args:
+        world_size: every rank of the group.
+        unique_id: the group's id.
+        rank: this process's rank.
+        device: its CUDA ordinal.
+        timeout: seconds for init and warm-up together.
+        check: polled while waiting; what it raises gives the init up.
+        blocking: a blocking communicator (as vLLM's workers use).
+
+    Returns:
+        The communicator, warmed up.
+
+    Raises:
+        NcclTimeoutError: the other ranks did not join in time.
+        NcclError: NCCL refused (a version mismatch, a duplicate GPU, ...).
     """
     return Communicator.init_rank(world_size, unique_id.raw, rank, device, blocking=blocking,
                                   timeout=timeout, check=check, then=warm_up)
+
+
+class Joiner(Protocol):
+    """What ``connect`` does on the trainer's side: the checks before any
+    server is told to join, minting the group's id (NCCL's embeds a
+    bootstrap listener in this process), and the join itself. The default is
+    NCCL's (``NCCL_JOIN``); tests on machines without a GPU pass their own."""
+
+    def preflight(self, device: int) -> None: ...
+
+    def mint(self) -> UniqueId: ...
+
+    def join(self, world_size: int, unique_id: UniqueId, rank: int, device: int, *,
+             timeout: float | None, check: Callable[[], None]) -> Communicator: ...
+
+
+class _NcclJoin:
+    """``preflight`` and ``handshake``."""
+
+    preflight = staticmethod(preflight)
+    mint = staticmethod(UniqueId.mint)
+
+    @staticmethod
+    def join(world_size: int, unique_id: UniqueId, rank: int, device: int, *,
+             timeout: float | None, check: Callable[[], None]) -> Communicator:
+        return handshake(world_size, unique_id, rank, device, timeout=timeout, check=check)
+
+
+NCCL_JOIN: Joiner = _NcclJoin()
 
 
 @dataclass
@@ -80,76 +176,199 @@ class Connection:
     def init_info(self) -> InitInfo:
         return self.init_infos[0]
 
-    def close(self, *, shutdown_servers: bool = True, free_comm: bool = True) -> None:
-        """Shut the servers' engines down (best effort), free the communicator
-        (unless ``free_comm`` is false: a thread is still inside one of its
-        calls), and close the HTTP clients this connection made."""
+    def close(self, *, deadline: Deadline | None = None, shutdown_servers: bool = True,
+              free_comm: bool = True, strict: bool = False) -> None:
+        """Release the servers (``release``), free the communicator and close
+        the HTTP clients this connection made.
+
+        Args:
+            deadline: bounds the servers' release (default: 60 s).
+            shutdown_servers: release the servers' engines.
+            free_comm: free the communicator (False: a thread is still
+                inside one of its calls).
+            strict: raise when a server cannot be released; otherwise log it.
+
+        Raises:
+            ServerStuck: with ``strict``, a server's engine did not answer.
+            RendezvousError: with ``strict``, a server refused to shut down.
+        """
+        deadline = deadline or Deadline(60.0)
+        problems: list[RendezvousError] = []
         if shutdown_servers:
             for c in self.clients:
                 try:
-                    c.shutdown_weight_transfer_engine()
-                except (VLLMHTTPError, VLLMConnectionError):
-                    pass
+                    release(c, deadline)
+                except RendezvousError as e:
+                    problems.append(e)
         if free_comm:
             self.comm.destroy()
         if self.owns_clients:
             for c in self.clients:
                 c.close()
+        for e in problems[1:] if strict else problems:
+            log.warning("%s", e)
+        if strict and problems:
+            raise problems[0]
 
 
-def _made_here(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> bool:
+def release(client: VLLMClient, deadline: Deadline) -> None:
+    """Shut a server's weight-transfer engine down, finishing an update
+    session left open first (vLLM refuses to shut down during one), so the
+    same server takes the next init.
+
+    Args:
+        client: the server.
+        deadline: bounds the whole release.
+
+    Raises:
+        ServerStuck: the server's engine did not answer in time.
+        VLLMHTTPError: it refused, and there was no session to finish.
+    """
+    try:
+        try:
+            client.shutdown_weight_transfer_engine(timeout=_seconds_left(deadline))
+            return
+        except VLLMHTTPError as refused:
+            try:
+                client.finish_weight_update(timeout=_seconds_left(deadline))
+            except VLLMHTTPError:
+                raise refused from None
+            client.shutdown_weight_transfer_engine(timeout=_seconds_left(deadline))
+    except (VLLMTimeout, RendezvousTimeout) as e:
+        raise ServerStuck(
+            f"{client.base_url}: its weight-transfer engine did not answer within the "
+            "deadline: its workers are most likely inside an NCCL call whose trainer left "
+            "(vLLM sets no deadline there); restart that server") from e
+
+
+def _seconds_left(deadline: Deadline) -> float:
+    left = deadline.left()
+    if left is None:
+        return 60.0
+    if left <= 0:
+        raise RendezvousTimeout("the deadline passed")
+    return left
+
+
+def _made_here(servers: Servers) -> bool:
     """Whether ``as_clients`` makes the clients (URLs given), so they are ours to close."""
     items = [servers] if isinstance(servers, (str, VLLMClient)) else list(servers)
     return all(isinstance(s, str) for s in items)
 
 
-def as_clients(servers: str | VLLMClient | Sequence[str | VLLMClient]) -> list[VLLMClient]:
-    """One URL, one client, or a list of either, as clients."""
+def as_clients(servers: Servers) -> list[VLLMClient]:
+    """One URL, one client, or a list of either, as clients.
+
+    Raises:
+        ValueError: no server given.
+    """
     if isinstance(servers, (str, VLLMClient)):
         servers = [servers]
-    return [s if isinstance(s, VLLMClient) else VLLMClient(s) for s in servers]
+    clients = [s if isinstance(s, VLLMClient) else VLLMClient(s) for s in servers]
+    if not clients:
+        raise ValueError("no vLLM server given: pass its URL, e.g. http://127.0.0.1:8000")
+    return clients
 
 
-def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: int = 0,
+def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | None,
+                deadline: Deadline) -> list[int]:
+    """Each server's worker count: ``workers`` as given, else asked (each
+    ``/get_world_size`` within ``deadline``); checked sane either way.
+
+    Raises:
+        RendezvousError: a count that is not a positive int of at most
+            ``MAX_WORKERS``, or not one per server.
+    """
+    if isinstance(workers, int):
+        workers = [workers]
+    if workers is None:
+        workers = [c.get_world_size(timeout=_seconds_left(deadline)) for c in clients]
+    workers = list(workers)
+    if len(workers) != len(clients):
+        raise RendezvousError(f"{len(clients)} servers but {len(workers)} worker counts")
+    for c, n in zip(clients, workers):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORKERS:
+            raise RendezvousError(
+                f"{c.base_url} has {n!r} workers, so no group can be formed with it: start "
+                "vLLM with its model loaded (check GET /get_world_size), or pass each "
+                f"server's worker count (1 to {MAX_WORKERS})")
+    return workers
+
+
+def connect(servers: Servers, *, device: int = 0,
             workers: Sequence[int] | int | None = None, packed: bool = True,
             packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
             timeout: float = DEFAULT_INIT_TIMEOUT, use_load_plan: bool = False,
             metadata: list[list] | None = None, trainer_ranks: int = 1,
-            unique_id: UniqueId | None = None) -> Connection:
+            unique_id: UniqueId | None = None, joiner: Joiner = NCCL_JOIN) -> Connection:
     """Form the transfer group with one or more vLLM servers; the trainer is rank 0.
 
-    ``workers``: each server's worker count (its ``/get_world_size``), asked
-    when not given. Server *i* gets ``rank_offset`` ``trainer_ranks`` + the
-    workers of the servers before it, so one broadcast can feed them all.
-    ``trainer_ranks`` > 1: other trainer processes join as ranks 1.. with
-    ``handshake`` and the same ``unique_id``. Otherwise a fresh id is minted
-    for every call, so calling again after a failure starts clean.
+    Server *i* gets ``rank_offset`` ``trainer_ranks`` + the workers of the
+    servers before it, so one broadcast can feed them all. A fresh id is
+    minted for every call (unless ``unique_id`` is given: other trainer
+    processes join as ranks 1.. with ``handshake`` and the same id), so
+    calling again after a failure starts clean.
+
+    Args:
+        servers: URLs or clients.
+        device: the trainer's CUDA ordinal.
+        workers: each server's worker count (its ``/get_world_size``), asked
+            when not given.
+        packed, packed_buffer_size_bytes, packed_num_buffers: the wire
+            geometry the workers are told.
+        timeout: bounds the whole call (world sizes, init, warm-up, answers).
+        use_load_plan, metadata: vLLM's load plan [newer vLLM].
+        trainer_ranks: the group's trainer ranks.
+        unique_id: the group's id (process 0 of a multi-process trainer).
+        joiner: the trainer's side of the join (default: NCCL's).
+
+    Returns:
+        The connection.
+
+    Raises:
+        CudaError, NcclLibraryNotFound: the trainer cannot join (nothing
+            was posted).
+        RendezvousError: a server refused, or a setting is invalid.
+        RendezvousTimeout: the group did not form within ``timeout``.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+        raise RendezvousError(f"connect's timeout must be a positive number of seconds, got "
+                              f"{timeout!r}")
+    deadline = Deadline(timeout)
+    joiner.preflight(device)
     owned = _made_here(servers)
     clients = as_clients(servers)
-    if isinstance(workers, int):
-        workers = [workers]
-    if workers is None:
-        workers = [c.get_world_size() for c in clients]
-    if len(workers) != len(clients):
-        raise ValueError(f"{len(clients)} servers but {len(workers)} worker counts")
-    world_size = trainer_ranks + sum(workers)
-    uid = unique_id or UniqueId.mint()
-    infos, offset = [], trainer_ranks
-    for n in workers:
-        if n < 1:
-            raise RendezvousError(
-                f"a server reports {n} workers, so none would join: start vLLM with its "
-                "model loaded (check GET /get_world_size)")
-        infos.append(InitInfo(
-            nccl_unique_id_b64=uid.to_b64(), rank_offset=offset, world_size=world_size,
-            packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
-            packed_num_buffers=packed_num_buffers, use_load_plan=use_load_plan,
-            metadata=metadata))
-        offset += n
+    counts = world_sizes(clients, workers, deadline)
+    uid = unique_id or joiner.mint()
+    infos = _init_infos(uid, counts, trainer_ranks, packed=packed,
+                        packed_buffer_size_bytes=packed_buffer_size_bytes,
+                        packed_num_buffers=packed_num_buffers, use_load_plan=use_load_plan,
+                        metadata=metadata)
+    comm = _join(clients, infos, joiner, device, deadline)
+    return Connection(comm, clients, infos, device, uid, owns_clients=owned)
 
-    futures = [in_background(c.init_weight_transfer_engine, i.to_payload(), timeout + _HTTP_GRACE)
+
+def _init_infos(uid: UniqueId, workers: Sequence[int], trainer_ranks: int,
+                **settings: object) -> list[InitInfo]:
+    """Each server's ``init_info``, validated before anything is posted."""
+    world_size = trainer_ranks + sum(workers)
+    infos, offset = [], trainer_ranks
+    try:
+        for n in workers:
+            infos.append(InitInfo(nccl_unique_id_b64=uid.to_b64(), rank_offset=offset,
+                                  world_size=world_size, **settings))
+            offset += n
+    except (TypeError, ValueError) as e:
+        raise RendezvousError(f"invalid init settings: {e}") from e
+    return infos
+
+
+def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Joiner,
+          device: int, deadline: Deadline) -> Communicator:
+    """Post each server's init and join the group, within ``deadline``."""
+    world_size = infos[0].world_size
+    futures = [in_background(_post_init, c, i, deadline, name="vllm-init")
                for c, i in zip(clients, infos)]
 
     def server_refused() -> None:
@@ -157,30 +376,36 @@ def connect(servers: str | VLLMClient | Sequence[str | VLLMClient], *, device: i
             if f.done() and f.exception() is not None:
                 f.result()
 
+    left = deadline.left()
     try:
-        comm = handshake(world_size, uid, 0, device, timeout=timeout, check=server_refused)
-    except (VLLMHTTPError, VLLMConnectionError) as e:
+        comm = joiner.join(world_size, infos[0].unique_id, 0, device,
+                           timeout=left - min(_ANSWER_RESERVE * left, _ANSWER_RESERVE_MAX_S),
+                           check=server_refused)
+    except RendezvousError as e:
         raise RendezvousError(
             f"the server refused init while the trainer waited in ncclCommInitRank: {e}. "
-            "The trainer's init was aborted; fix the cause and connect again") from e
+            "The trainer's init was given up; fix the cause and connect again") from e
     except NcclTimeoutError as e:
         answered = [c.base_url for c, f in zip(clients, futures)
                     if f.done() and f.exception() is None]
         why = ("; the server answered 200 but its workers never joined: is it running "
-               f"with VLLM_DISABLE_PYNCCL=1, is world_size {world_size} larger than "
-               f"{trainer_ranks} + its workers, or did a trainer rank not join? "
+               f"with VLLM_DISABLE_PYNCCL=1, is world_size {world_size} larger than the "
+               f"trainer ranks + its workers, or did a trainer rank not join? "
                f"({', '.join(answered)})") if answered else ""
         raise RendezvousTimeout(f"{e}{why}") from e
-    deadline = time.monotonic() + _HTTP_GRACE
     try:
-        for f in futures:
-            f.result(timeout=max(deadline - time.monotonic(), 0.0))
-    except FutureTimeout as e:
-        comm.abort("server did not answer init")
-        raise RendezvousTimeout(
-            f"the workers joined but /init_weight_transfer_engine did not answer within "
-            f"{_HTTP_GRACE}s") from e
-    except (VLLMHTTPError, VLLMConnectionError) as e:
+        for c, f in zip(clients, futures):
+            if not await_future(f, deadline.at):
+                raise RendezvousTimeout(f"the workers joined but {c.base_url}"
+                                        "/init_weight_transfer_engine did not answer in time")
+    except BaseException as e:
         comm.abort("server init failed")
+        if isinstance(e, RendezvousTimeout):
+            raise
         raise RendezvousError(f"the server failed init after the group formed: {e}") from e
-    return Connection(comm, clients, infos, device, uid, owns_clients=owned)
+    return comm
+
+
+def _post_init(client: VLLMClient, info: InitInfo, deadline: Deadline) -> None:
+    """``/init_weight_transfer_engine``, answered within ``deadline``."""
+    client.init_weight_transfer_engine(info.to_payload(), timeout=_seconds_left(deadline))

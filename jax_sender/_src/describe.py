@@ -1,0 +1,219 @@
+"""What a push sends, described before anything is sent, and got onto the
+sender's device when it is sent.
+
+``describe`` turns a pytree (or ``(name, array)`` pairs) into the metadata
+the workers are told and the source arrays, checking everything a worker
+would otherwise fail on mid-stream; transforms are traced with
+``jax.eval_shape``, so nothing runs on the GPU. ``Descriptions`` keeps the
+last answer for the next push of the same structure: a push of many small
+tensors otherwise spends more time describing them than sending them.
+Both senders share these plain functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .errors import MetadataError
+from .group import gather, ready
+from .naming import Mapping, identity, named_arrays
+from .plan import LoadPlan, TensorMeta, check_unique
+
+Get = Callable[[int], jax.Array]
+
+
+class Sources(Sequence[tuple[Any, Any]]):
+    """(path, array) per tensor, held as two lists (``paths``, ``arrays``),
+    and whether every array is known to be on the sender's device alone
+    (``local``; None: not known, look).
+
+    Why two lists, not a list of pairs: a push of 20,000 arrays would make
+    20,000 new tuples each time, and the garbage collector's passes they set
+    off cost most of the time making them took."""
+
+    def __init__(self, paths: list[Any], arrays: list[Any], *, local: bool | None = None):
+        self.paths, self.arrays, self.local = paths, arrays, local
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(zip(self.paths[i], self.arrays[i]))
+        return self.paths[i], self.arrays[i]
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return zip(self.paths, self.arrays)
+
+
+def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
+    """Metadata of what ``params`` would send, and per tensor (path, source array).
+
+    Args:
+        params: a pytree of arrays, or ``(name, array)`` pairs.
+        mapping: names the leaves and transforms them (``naming.Mapping``).
+
+    Returns:
+        The metadata (after the transform) and the sources, in tree order.
+
+    Raises:
+        MetadataError: anything the workers could not take (no name, a
+            duplicate name, a dtype vLLM cannot receive, an empty tree).
+    """
+    metas, paths, arrays = [], [], []
+    traced = mapping.transform is not identity
+    for name, path, arr in named_arrays(params, mapping):
+        if not isinstance(name, str) or not name:
+            raise MetadataError(f"parameter at {path} has no checkpoint name")
+        # Tracing is skipped for JAX arrays with no transform (others are
+        # traced, which gives the dtype JAX will turn them into).
+        out = (jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr)
+               if traced or not isinstance(arr, jax.Array) else arr)
+        metas.append(TensorMeta.of(name, out))
+        paths.append(path)
+        arrays.append(arr)
+    if not metas:
+        raise MetadataError("nothing to send: the parameter tree has no arrays")
+    check_unique(metas)
+    return metas, Sources(paths, arrays)
+
+
+def structure(params: Any) -> tuple[Any, list[Any]] | None:
+    """A key for ``describe``'s answer, and the leaves; None when there is no
+    cheap key (host data). The key is the tree's structure (or the names),
+    and each leaf's aval (shape, dtype) and sharding (placement): JAX shares
+    one aval object among arrays of a shape and dtype, so two keys compare
+    by identity there, the shardings by value."""
+    if isinstance(params, (list, tuple)) and params and isinstance(params[0], tuple):
+        names = tuple(p[0] for p in params)
+        leaves = [p[1] for p in params]
+        tree: Any = names
+    else:
+        leaves, tree = jax.tree_util.tree_flatten(params)
+    try:
+        avals = tuple(map(_aval, leaves))
+        shardings = tuple(map(_sharding, leaves))
+    except AttributeError:  # not JAX arrays
+        return None
+    return (tree, avals, shardings), leaves
+
+
+_aval = operator.attrgetter("aval")
+_sharding = operator.attrgetter("sharding")
+
+
+def on_device(sources: Sources, device: jax.Device) -> bool:
+    """Every source a JAX array on ``device`` alone (nothing to gather or move).
+    Known without a look at each array for what ``Descriptions.of`` returned."""
+    if sources.local is not None:
+        return sources.local
+    dev = {device}
+    return all(isinstance(a, jax.Array) and a.sharding.device_set == dev
+               for a in sources.arrays)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Kept:
+    key: Any
+    metas: list[TensorMeta]
+    paths: list[Any]
+    local: bool
+
+
+class Descriptions:
+    """``describe``, checked against a load plan, with the last answer kept
+    for the next push of the same key (``structure``).
+
+    Args:
+        mapping: names and transforms.
+        device: the sender's JAX device.
+        load_plan: what the workers were told at init, or None.
+    """
+
+    def __init__(self, mapping: Mapping, device: jax.Device, load_plan: LoadPlan | None):
+        self.mapping, self.device, self.load_plan = mapping, device, load_plan
+        self._kept: _Kept | None = None
+
+    def of(self, params: Any) -> tuple[list[TensorMeta], Sources]:
+        """``describe(params)``, from the kept answer when the key matches.
+
+        Raises:
+            MetadataError: as ``describe``, or a tensor outside the load plan.
+        """
+        found = structure(params)
+        kept = self._kept
+        if found is not None and kept is not None and found[0] == kept.key:
+            return kept.metas, Sources(kept.paths, found[1], local=kept.local)
+        metas, sources = describe(params, self.mapping)
+        if self.load_plan is not None:
+            self.load_plan.check(metas)
+        if found is not None:
+            self._kept = _Kept(key=found[0], metas=metas, paths=sources.paths,
+                               local=on_device(sources, self.device))
+        return metas, sources
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """How a source array becomes the tensor on the wire: transformed, on
+    the sender's device, checked against its metadata.
+
+    Attributes:
+        mapping: names and transforms.
+        device: the sender's JAX device.
+        wait_timeout_s: the deadline of a wait that moves so many bytes
+            (``SendConfig.wait_timeout_s``), for the gathers.
+    """
+
+    mapping: Mapping
+    device: jax.Device
+    wait_timeout_s: Callable[[int], float]
+
+    def materialize(self, path: Any, arr: Any) -> jax.Array:
+        """The transformed array on the device, dispatched, not waited for: a
+        parameter sharded over several processes is gathered with its other
+        owners first; one elsewhere or sharded is moved (one full copy)."""
+        if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
+            arr = ready(gather(arr), self.wait_timeout_s(arr.nbytes), f"the gather of {path}")
+        if not isinstance(arr, jax.Array) or arr.sharding.device_set != {self.device}:
+            arr = jax.device_put(arr, self.device)
+        if self.mapping.transform is identity:
+            return arr
+        out = self.mapping.transform(path, arr)
+        if out.sharding.device_set != {self.device}:
+            out = jax.device_put(out, self.device)
+        return out
+
+    def checked(self, metas: Sequence[TensorMeta], sources: Sources, i: int) -> jax.Array:
+        """Tensor ``i`` materialized and checked against its metadata (not waited for)."""
+        arr = self.materialize(*sources[i])
+        metas[i].check(arr)
+        return arr
+
+    def getter(self, metas: Sequence[TensorMeta], sources: Sources) -> tuple[Get, bool]:
+        """Tensor ``i`` on the device, ready and checked; and whether what it
+        returns may be a temporary (then a packed push keeps it only until
+        it is copied)."""
+        if self.mapping.transform is identity and on_device(sources, self.device):
+            # the caller's arrays as they are, one readiness wait for all
+            return sources.arrays.__getitem__, False
+        return lambda i: self.checked(metas, sources, i).block_until_ready(), True
+
+
+# Up to this many arrays, a push looks whether they are all computed before
+# it hands a readiness wait to a thread (a look is far cheaper than a
+# thread's handoff; see docs/benchmarks.md).
+LOOK_FIRST = 64
+
+
+def readiness(arrays: list[jax.Array]) -> Callable[[], None] | None:
+    """The wait until ``arrays`` are computed, or None when a look shows they are."""
+    if len(arrays) <= LOOK_FIRST and all(a.is_ready() for a in arrays):
+        return None
+    return functools.partial(jax.block_until_ready, arrays)

@@ -1,0 +1,127 @@
+"""From a JAX pytree to the ``(checkpoint name, array)`` list vLLM loads.
+
+A *mapping* is two functions of the pytree path (a tuple of string keys):
+``name(path)`` gives the Hugging Face name vLLM's ``load_weights`` expects,
+``transform(path, array)`` turns the Flax layout into torch's (Dense kernels
+are ``(in, out)``, torch's Linear weights ``(out, in)``) or casts the dtype.
+Transforms are traced with ``jax.eval_shape`` first, so the metadata sent to
+the workers is known before anything runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .errors import MetadataError
+
+Path = tuple[str, ...]
+
+
+def key_str(entry: Any) -> str:
+    """One pytree path entry as a string (dict key, attribute, or index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def flatten(tree: Any) -> list[tuple[Path, Any]]:
+    """(path, leaf) pairs in the pytree's deterministic order."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(tuple(key_str(k) for k in path), leaf) for path, leaf in leaves]
+
+
+def dotted(path: Path) -> str:
+    return ".".join(path)
+
+
+def identity(_: Path, array: Any) -> Any:
+    return array
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Pytree path -> checkpoint name, and an optional per-tensor transform."""
+
+    name: Callable[[Path], str] = dotted
+    transform: Callable[[Path, Any], Any] = identity
+
+
+def _is_pairs(obj: Any) -> bool:
+    """Whether ``obj`` is ``(name, array)`` pairs: 2-tuples whose first items
+    are names, not arrays or subtrees. A name that is not a non-empty str is
+    refused here, not turned into a pytree path (``[(1, x)]`` would
+    otherwise push tensors named ``0.0`` and ``0.1``).
+
+    Raises:
+        MetadataError: pairs with a name that is not a non-empty str.
+    """
+    if not (isinstance(obj, (list, tuple)) and obj and all(
+            isinstance(p, tuple) and len(p) == 2 and _scalar(p[0]) for p in obj)):
+        return False
+    for name, _ in obj:
+        if not isinstance(name, str) or not name:
+            raise MetadataError(f"(name, array) pairs need non-empty str names, got {name!r}: "
+                                "pass the checkpoint name vLLM loads, e.g. "
+                                "'model.layers.0.mlp.up_proj.weight'")
+    return True
+
+
+def _scalar(x: Any) -> bool:
+    """Not an array and not a subtree: what only a name could be."""
+    return not hasattr(x, "shape") and not isinstance(x, (dict, list, tuple))
+
+
+def named_arrays(params: Any, mapping: Mapping = Mapping()) -> list[tuple[str, Path, Any]]:
+    """``(name, path, array)`` for a pytree, or for an iterable of ``(name, array)``.
+
+    Pairs keep their names (the path is ``(name,)`` for the transform); a
+    pytree's names come from ``mapping.name``.
+    """
+    if isinstance(params, Iterator):
+        params = list(params)
+    if _is_pairs(params):
+        return [(name, (name,), arr) for name, arr in params]
+    return [(mapping.name(path), path, leaf) for path, leaf in flatten(params)]
+
+
+# -- Llama / Qwen-style decoders ---------------------------------------------
+# The Flax layout of jax_sender.demo.model (and of most Flax ports):
+#   embed_tokens/embedding, layers_{i}/{self_attn,mlp}/{proj}/kernel,
+#   layers_{i}/{input,post_attention}_layernorm/scale, norm/scale, lm_head/kernel,
+#   layers_{i}/self_attn/{q,k}_norm/scale (Qwen3).
+
+_LAYER = re.compile(r"layers_(\d+)")
+
+
+def llama_name(path: Path) -> str:
+    """Hugging Face name for a Llama/Qwen2/Qwen3 Flax parameter path."""
+    parts = [p for p in path if p != "params"]
+    if parts[:1] == ["embed_tokens"]:
+        return "model.embed_tokens.weight"
+    if parts[:1] == ["lm_head"]:
+        return "lm_head.weight"
+    if parts[:1] == ["norm"]:
+        return "model.norm.weight"
+    m = _LAYER.fullmatch(parts[0]) if parts else None
+    if m is None:
+        raise MetadataError(f"no Llama/Qwen checkpoint name for parameter path {dotted(path)!r}")
+    leaf = {"kernel": "weight", "scale": "weight", "bias": "bias"}.get(parts[-1])
+    if leaf is None:
+        raise MetadataError(f"unexpected leaf {parts[-1]!r} in {dotted(path)!r}")
+    return ".".join(["model", "layers", m.group(1), *parts[1:-1], leaf])
+
+
+def llama_transform(path: Path, array: Any) -> Any:
+    """Dense kernels ``(in, out)`` -> torch ``(out, in)``; everything else unchanged."""
+    if path[-1] == "kernel":
+        return array.T
+    return array
+
+
+LLAMA = Mapping(name=llama_name, transform=llama_transform)

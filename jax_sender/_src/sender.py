@@ -1,0 +1,472 @@
+"""``WeightSender``: push a JAX model into vLLM workers, with vLLM's update protocol.
+
+One ``send`` reads top to bottom: check the arguments, take the session's
+turn, describe the arrays (names, dtypes, shapes, order, devices: all
+checked before anything reaches a server), plan the turns and their chunks,
+choose once how the chunks are produced (``feeds.py``), and hand the push
+to the session, which runs it as a transaction (``push.py``,
+``session.py``). Metadata is sent once: an unchanged round posts empty
+lists, which vLLM reads as "same as last time".
+
+How the trainer takes part is a *route*: ``SingleProcess`` (one trainer
+process sends everything) or ``ProcessGroup`` (several, see ``group.py``).
+``send(wait=False)`` snapshots what it sends (XLA copies, dispatched before
+it returns) and runs the push in the background, while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from uniqueid import UpdateInfo, as_clients
+
+from .broadcaster import Broadcaster, parts_of
+from .config import SendConfig
+from .describe import Descriptions, Placement, Sources, describe, on_device, readiness
+from .errors import MetadataError, TransferError
+from .feeds import Copies, Produced, Received, Tensors
+from .group import Share, TrainerGroup, join_gathers, share_from_process_0
+from .naming import Mapping, identity
+from .packing import packable, writable, write_chunk
+from .plan import LoadPlan, TensorMeta, check_against
+from .push import Feed, PreparedPush, Round
+from .routes import ProcessGroup, Route, SingleProcess, usable_device
+from .session import PendingSend, Session
+from .stats import SendStats
+from .turns import TurnUpdate, broadcast_plan, owners_of, turn_updates
+
+log = logging.getLogger("jax_sender")
+
+Servers = Any  # a URL, a ``VLLMClient``, or a list of either
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyResult:
+    """What ``verify`` found: tensors whose digest matches on every worker, those
+    that differ somewhere, and those no server reports under their own name
+    (fused or sharded at runtime, e.g. ``qkv_proj``), which it cannot check."""
+
+    matched: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    unchecked: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing differs."""
+        return not self.mismatched
+
+
+def check_push(weight_version: Any, pause: Any, metadata: Any) -> None:
+    """Refuse arguments a push cannot carry, before anything reaches a server.
+
+    Raises:
+        MetadataError: ``weight_version`` not a str that JSON and UTF-8 can
+            carry, ``pause`` not a vLLM mode, ``metadata`` not ``TensorMeta``\\ s.
+    """
+    if weight_version is not None:
+        if not isinstance(weight_version, str):
+            raise MetadataError(f"weight_version must be a str (vLLM stores it as one), got "
+                                f"{type(weight_version).__name__} {weight_version!r}")
+        try:
+            weight_version.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MetadataError(f"weight_version {weight_version!r} cannot travel as JSON "
+                                f"text ({e.reason})") from None
+    if pause is not None and pause not in PAUSE_MODES:
+        raise MetadataError(f"pause must be one of {', '.join(PAUSE_MODES)} or None, got "
+                            f"{pause!r}")
+    if metadata is not None and not all(isinstance(m, TensorMeta) for m in metadata):
+        raise MetadataError("metadata must be a sequence of TensorMeta")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Snapshot:
+    """An asynchronous push's private copies: one per chunk of its turn
+    (``chunks``, packed by XLA), or one per tensor."""
+
+    arrays: list[jax.Array]
+    chunks: bool
+
+
+class WeightSender:
+    """The trainer's side of weight transfer to one or more vLLM servers.
+
+    Build it with ``connect`` (one trainer process) or ``connect_group``
+    (several). ``mapping`` names pytree leaves and transforms them (see
+    ``naming.py``); ``config`` holds every setting (``SendConfig``); the wire
+    geometry went to the workers at init, so the two sides cannot disagree.
+
+    Args:
+        session: the connection and its pushes (``session.py``).
+        mapping: names and transforms.
+        load_plan: what the workers were told at init, or None.
+        device: the JAX device the arrays are sent from.
+    """
+
+    def __init__(self, session: Session, *, mapping: Mapping = Mapping(),
+                 load_plan: LoadPlan | None = None, device: jax.Device):
+        self.session = session
+        self.mapping = mapping
+        self.device = device
+        self._descriptions = Descriptions(mapping, device, load_plan)
+        self._place = Placement(mapping=mapping, device=device,
+                                wait_timeout_s=session.config.wait_timeout_s)
+        self._turns: tuple[Any, list[TurnUpdate]] | None = None  # kept while metadata is the same
+        # The last asynchronous push's chunk buffers, by chunk: the next one writes
+        # into them again (donated), once that push is over.
+        self._staging: dict[int, jax.Array] = {}
+        session.on_reset.append(self._drop_staging)
+
+    @classmethod
+    def connect(cls, servers: Servers, *, device: int | None = None,
+                mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
+                load_plan: Any = None, workers: Sequence[int] | None = None) -> WeightSender:
+        """Join the servers' workers (init + warm-up) and return a sender.
+
+        Args:
+            servers: a URL, a ``VLLMClient``, or a list of either.
+            device: CUDA ordinal of the trainer's GPU (default: JAX's first GPU).
+            mapping: names and transforms the pytree's leaves.
+            config: every setting.
+            load_plan: params (or pairs) whose metadata is shipped at init
+                with ``use_load_plan`` [newer vLLM; 0.33.0 refuses it]; every
+                later send must then be a subset of it. Off by default.
+            workers: each server's worker count, asked when not given.
+
+        Returns:
+            The sender.
+
+        Raises:
+            TransferError: no usable GPU here (nothing reached a server).
+            NcclLibraryNotFound: no usable libnccl (nothing reached a server).
+            RendezvousError: a server refused, or the group did not form.
+        """
+        ordinal, jax_dev = usable_device(device)
+        plan = None if load_plan is None else LoadPlan(describe(load_plan, mapping)[0])
+        route = SingleProcess(clients=as_clients(servers), device=ordinal, config=config,
+                              metadata=None if plan is None else plan.to_payload(),
+                              workers=workers)
+        return cls(open_session(route, config, jax_dev), mapping=mapping, load_plan=plan,
+                   device=jax_dev)
+
+    @classmethod
+    def connect_group(cls, servers: Servers, params: Any, *, device: int | None = None,
+                      mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
+                      share: Share = share_from_process_0, load_plan: Any = None,
+                      workers: Sequence[int] | None = None) -> WeightSender:
+        """Every trainer process of a multi-host JAX job calls this, with the
+        same ``params`` (global arrays) and arguments: each parameter is sent
+        by its first owner (see ``turns.py``). Process 0 talks to the servers
+        and shares the unique id and world size through ``share`` (default:
+        JAX's own broadcast between processes); the other broadcasters join
+        as group ranks 1..; the rest hold no communicator. ``servers`` is read
+        on process 0 only. Later sends must keep the same broadcasters.
+
+        Args:
+            servers, device, mapping, config, load_plan, workers: as ``connect``.
+            params: the global arrays to be pushed, for their owners.
+            share: how process 0's id reaches the others.
+
+        Returns:
+            This process's sender.
+
+        Raises:
+            MetadataError: an ownership layout vLLM cannot take.
+            RendezvousError: the group did not form.
+        """
+        ordinal, jax_dev = usable_device(device)
+        plan = None if load_plan is None else LoadPlan(describe(load_plan, mapping)[0])
+        metas, sources = describe(params, mapping)
+        process = jax.process_index()
+        group = TrainerGroup(
+            plan=broadcast_plan(metas, [owners_of(a) for a in sources.arrays]),
+            process=process, device=ordinal, share=share,
+            clients=as_clients(servers) if process == 0 else [], config=config,
+            metadata=None if plan is None else plan.to_payload(), workers=workers)
+        return cls(open_session(ProcessGroup(group=group), config, jax_dev), mapping=mapping,
+                   load_plan=plan, device=jax_dev)
+
+    # -- the push ------------------------------------------------------
+    def send(self, params: Any, *, weight_version: str | None = None,
+             metadata: Sequence[TensorMeta] | None = None, pause: str | None = None,
+             wait: bool = True) -> SendStats | PendingSend:
+        """Push ``params`` (a pytree, or ``(name, array)`` pairs) to every worker.
+
+        One push at a time: a send while another is in flight (this thread's
+        ``wait=False`` push, or another thread's) first waits for it.
+
+        Args:
+            params: the arrays.
+            weight_version: stamped on the servers when the push finishes.
+            metadata: what the caller declared; checked against the arrays.
+            pause: ``"abort"``/``"wait"``/``"keep"`` pauses generation for the
+                push and resumes it after.
+            wait: False returns a ``PendingSend`` as soon as the trainer may
+                go on: the push snapshots what it sends (XLA copies,
+                dispatched before this returns, so a later step that donates
+                the parameters cannot change them) and runs in the
+                background. Single-process senders only; a push larger than
+                ``config.staging_bytes`` runs blocking instead.
+
+        Returns:
+            The push's ``SendStats``, or its ``PendingSend``.
+
+        Raises:
+            MetadataError: nothing was sent (bad arguments or arrays).
+            UpdateIncomplete: failed on the trainer's side after the servers
+                started; they finished an incomplete update; the next send repairs it.
+            SendError: failed; ``broken`` says whether ``reconnect()`` is needed.
+            SenderClosed: after ``close()``.
+            KeyboardInterrupt: Ctrl-C (the push first ended on the servers).
+        """
+        t0 = time.perf_counter()
+        check_push(weight_version, pause, metadata)
+        if not wait and not self.session.route.alone:
+            raise TransferError("send(wait=False) needs a single-process sender (connect): "
+                                "a group's gathers run in step on every process")
+        with self.session.admit() as ticket:
+            metas, sources = self._descriptions.of(params)
+            if metadata is not None:
+                check_against(list(metadata), metas)
+            turns = self._turns_of(metas, sources)
+            push = self._prepared(metas, turns, weight_version, pause)
+            if self.session.connection is None:  # outside the transfer group: the gathers
+                return self._gathers_only(turns, sources, push, t0)
+            snapshot = None if wait else self._snapshot(metas, sources, turns[0])
+            feed, push.ready = self._feeds(metas, sources, snapshot)
+            push.rounds = [self._round(t, feed) for t in turns]
+            push.stats.prepare_s = time.perf_counter() - t0
+            if snapshot is None and not wait:
+                log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
+                         "pushing blocking", push.stats.bytes, self.session.config.staging_bytes)
+            return self.session.run(ticket, push, background=snapshot is not None, t0=t0)
+
+    def _turns_of(self, metas: list[TensorMeta], sources: Sources) -> list[TurnUpdate]:
+        """Every turn's tensors in wire order, its chunks and ``update_info``
+        (empty lists where the workers hold this metadata already). A single
+        process keeps order and chunks while its metadata stays the same
+        object (the kept description); a group plans again every time, since
+        its owners come from the arrays' shardings."""
+        info, route = self.session.info, self.session.route
+        if route.stable_plan and self._turns is not None and self._turns[0] is metas:
+            turns = self._turns[1]
+        else:
+            turns = turn_updates(route.plan(metas, sources), metas,
+                                 info.packed_buffer_size_bytes if info.packed else None, {})
+            self._turns = (metas, turns)
+        sent = self.session.sent
+        return [replace(t, update=UpdateInfo(src=t.turn.src))
+                if sent.get(t.turn.src) == t.metas else t for t in turns]
+
+    def _prepared(self, metas: list[TensorMeta], turns: list[TurnUpdate],
+                  weight_version: str | None, pause: str | None) -> PreparedPush:
+        """The push's figures and deadlines, its rounds still to come."""
+        info, config = self.session.info, self.session.config
+        largest = max(m.nbytes for m in metas)
+        timeout = config.wait_timeout_s(
+            (info.packed_buffer_size_bytes if info.packed else largest) + largest)
+        n_chunks = sum(len(t.chunks) if info.packed else len(t.metas) for t in turns)
+        stats = SendStats(bytes=sum(m.nbytes for m in metas), tensors=len(metas),
+                          chunks=n_chunks, packed=info.packed,
+                          reused_metadata=all(t.update.reuse for t in turns))
+        return PreparedPush(rounds=[], stats=stats, timeout_s=timeout,
+                            update_timeout_s=timeout * max(n_chunks, 1) + 60,
+                            sent={t.turn.src: t.metas for t in turns},
+                            weight_version=weight_version, pause=pause,
+                            alone=self.session.route.alone, rank=self.session.route.rank or 0)
+
+    def _gathers_only(self, turns: list[TurnUpdate], sources: Sources, push: PreparedPush,
+                      t0: float) -> SendStats:
+        """A process outside the transfer group joins the gathers of what it
+        co-owns, in the order the broadcasters gather (their turns, in wire order)."""
+        join_gathers([t.turn for t in turns], sources.arrays, self.session.route.group.process,
+                     push.timeout_s)
+        push.stats.prepare_s = push.stats.returned_s = time.perf_counter() - t0
+        return push.stats
+
+    def _feeds(self, metas: list[TensorMeta], sources: Sources, snapshot: _Snapshot | None
+               ) -> tuple[Callable[[TurnUpdate], Feed], Callable[[], None] | None]:
+        """How this push produces its chunks, chosen once: a turn's feed, and
+        the wait for the arrays it reads to be computed (None: none needed)."""
+        packed = self.session.info.packed
+        if snapshot is not None:
+            arrays = snapshot.arrays
+            ready = functools.partial(jax.block_until_ready, arrays)
+            if snapshot.chunks:
+                return lambda t: Produced(chunks=t.chunks, make=lambda k, _: arrays[k],
+                                          root=t.turn.src), ready
+            get, temporaries = arrays.__getitem__, False
+        elif (packed and self.mapping.transform is not identity
+              and on_device(sources, self.device)):  # XLA packs each chunk in one call
+            return lambda t: self._xla_or_copies(t, metas, sources), None
+        else:
+            get, temporaries = self._place.getter(metas, sources)
+            ready = None if temporaries else readiness(sources.arrays)
+
+        def feed(t: TurnUpdate) -> Feed:
+            mine = t.turn.params
+            at = lambda j: get(mine[j])  # noqa: E731
+            if packed:
+                return Copies(metas=t.metas, chunks=t.chunks, get=at, root=t.turn.src,
+                              temporaries=temporaries)
+            return Tensors(metas=t.metas, get=at, root=t.turn.src)
+        return feed, ready
+
+    def _xla_or_copies(self, t: TurnUpdate, metas: list[TensorMeta], sources: Sources) -> Feed:
+        if packable(t.chunks):
+            return Produced(chunks=t.chunks, make=self._packs(t, metas, sources),
+                            root=t.turn.src, reuse=True)
+        mine = t.turn.params
+        return Copies(metas=t.metas, chunks=t.chunks, root=t.turn.src, temporaries=True,
+                      get=lambda j: self._place.checked(metas, sources, mine[j]).block_until_ready())
+
+    def _round(self, t: TurnUpdate, feed: Callable[[TurnUpdate], Feed]) -> Round:
+        parts = parts_of(t.metas, t.chunks if self.session.info.packed else None)
+        mine = t.turn.src == self.session.route.rank
+        return Round(update=t.update.to_payload(), root=t.turn.src, parts=parts,
+                     feed=feed(t) if mine else Received(parts=parts, root=t.turn.src))
+
+    # -- the asynchronous push's snapshot -------------------------------
+    def _snapshot(self, metas: list[TensorMeta], sources: Sources,
+                  turn: TurnUpdate) -> _Snapshot | None:
+        """Private copies of what the push sends, dispatched now, in the
+        caller's thread: XLA runs them before anything the trainer dispatches
+        next, so a step that donates (and overwrites) the parameters cannot
+        change the bytes in flight. Packed, the copies are the chunks
+        themselves, so the push only broadcasts. None when they would not
+        fit ``config.staging_bytes`` or the sources need gathering."""
+        bound = self.session.config.staging_bytes
+        if ((bound is not None and sum(m.nbytes for m in metas) > bound)
+                or not on_device(sources, self.device)):
+            return None
+        if self.session.info.packed and packable(turn.chunks):
+            return _Snapshot(arrays=self._write_chunks(turn, metas, sources), chunks=True)
+        # The copies are what ``describe`` traced (the same transform, jitted), so
+        # their metadata needs no check: the trainer waits for this call alone.
+        return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.transform)(
+            sources.arrays), chunks=False)
+
+    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
+                      sources: Sources) -> list[jax.Array]:
+        """Every chunk of ``turn``, dispatched, each written into the buffer
+        the last asynchronous push used for it (donated, so nothing is
+        allocated). Called only once that push is over: its broadcasts read
+        those buffers."""
+        make = self._packs(turn, metas, sources, copy=True)
+        kept, self._staging = self._staging, {}  # a buffer once donated is gone
+        out = [make(k, kept.get(k)) for k in range(len(turn.chunks))]
+        self._staging = {k: a for k, (c, a) in enumerate(zip(turn.chunks, out))
+                         if writable(c, turn.metas)}
+        return out
+
+    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources, *,
+               copy: bool = False) -> Callable[[int, jax.Array | None], jax.Array]:
+        """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
+        written into ``spare`` when it fits (``packing.write_chunk``). A chunk
+        of one tensor is the transform's output itself, unless ``copy`` (a
+        snapshot must not share the caller's arrays)."""
+        paths = [sources.paths[i] for i in turn.turn.params]
+        arrays = [sources.arrays[i] for i in turn.turn.params]
+        transform = self.mapping.transform
+
+        def make(k: int, spare: jax.Array | None) -> jax.Array:
+            c = turn.chunks[k]
+            if c.single and not copy:  # broadcast from the transform's output
+                return self._place.checked(metas, sources, turn.turn.params[c.start])
+            return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
+        return make
+
+    def _drop_staging(self) -> None:
+        # A failed push's broadcasts may still read them: never write there again.
+        self._staging = {}
+
+    # -- checking a push -------------------------------------------------
+    def verify(self, params: Any) -> VerifyResult:
+        """Compare what the workers hold with ``params``, through vLLM's
+        ``/weight_checker``: its SHA-256 of each runtime parameter's bytes,
+        computed here for what this sender would push and compared on every
+        worker of every server. Copies every tensor to the host once; waits
+        for a push in flight first.
+
+        Args:
+            params: what was pushed.
+
+        Returns:
+            Which tensors match, differ, or cannot be checked.
+
+        Raises:
+            RendezvousError: a server did not answer.
+        """
+        with self.session.admit():
+            metas, sources = describe(params, self.mapping)
+            get = self._place.getter(metas, sources)[0]
+            want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
+                    for i, m in enumerate(metas)}
+            seen: dict[str, bool] = {}
+            for client in self.session.clients:
+                held = client.weight_checker("checksum")["checksums"]
+                for key, digest in held.items():
+                    name = key.split(":", 4)[-1]
+                    if name in want:
+                        seen[name] = seen.get(name, True) and digest == want[name]
+        return VerifyResult(matched=tuple(n for n in want if seen.get(n) is True),
+                            mismatched=tuple(n for n in want if seen.get(n) is False),
+                            unchecked=tuple(n for n in want if n not in seen))
+
+    # -- lifetime ----------------------------------------------------------
+    @property
+    def config(self) -> SendConfig:
+        return self.session.config
+
+    @property
+    def broken(self) -> str:
+        """Why the transfer group is broken ("" when it is not)."""
+        return self.session.broken
+
+    def reconnect(self) -> None:
+        """See ``Session.reconnect``."""
+        self.session.reconnect()
+
+    def close(self) -> None:
+        """See ``Session.close``."""
+        self.session.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_session(route: Route, config: SendConfig, device: jax.Device) -> Session:
+    """Form ``route``'s group (within ``config.init_timeout_s``) and hold it in
+    a session whose broadcasts go through NCCL from ``device``; the HTTP
+    clients made for it are closed if that fails."""
+    try:
+        connection = route.form(config.init_timeout_s)
+    except BaseException:
+        for client in getattr(route, "clients", []):
+            client.close()
+        raise
+    return Session(route, connection, config, broadcaster=lambda conn: Broadcaster(
+        conn.comm, device, conn.init_info.packed_buffer_size_bytes,
+        conn.init_info.packed_num_buffers))
+
+
+@functools.lru_cache(maxsize=4)
+def _copier(paths: tuple[Any, ...], transform: Callable[[Any, Any], Any]
+            ) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """One jitted function that transforms and copies every array of a tree
+    with these paths (compiled once per structure and shapes)."""
+    return jax.jit(lambda xs: [jnp.copy(transform(p, x)) for p, x in zip(paths, xs)])

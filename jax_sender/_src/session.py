@@ -1,0 +1,459 @@
+"""A sender's session with the servers: its connection, its pushes one at a
+time (each a ``push.Transaction``), and what a failure leaves behind.
+
+Senders hold a session; they differ only in how ``params`` become a push.
+The session owns everything a push shares with the next: the communicator
+and its broadcaster, the metadata the workers hold (``sent``), whether the
+group is broken, and the admission of pushes:
+
+* **One push at a time.** A push holds the session's turn from admission to
+  its end, on whichever thread it ends; a second ``send`` (another thread,
+  or after ``send(wait=False)``) waits for it, within the deadlines of the
+  push in flight, or is refused once they have passed.
+* **Ctrl-C.** During a blocking push on the main thread, the first Ctrl-C
+  lets the push end on the servers, within its deadlines, then raises
+  ``KeyboardInterrupt``; a second aborts at once. The same holds while
+  waiting in ``PendingSend.result()``, and at interpreter exit a push in
+  flight is let end.
+* **Failures that abort.** The lane is stopped at its next poll and the
+  communicator aborted once no NCCL call is in flight; a lane stuck inside
+  one past its deadline is abandoned instead (never freed under the call;
+  the communicator is aborted if the call ever returns). The sender is
+  broken until ``reconnect()``, which finishes the servers' open update
+  sessions, shuts their engines down and forms a new group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from nccl_cffi import Deadline, NcclTimeoutError, await_future, in_background
+from uniqueid import Connection, InitInfo, VLLMClient
+
+from .broadcaster import Broadcaster
+from .config import SendConfig
+from .control import ControlPlane
+from .errors import PushCancelled, SenderClosed, SendError
+from .plan import TensorMeta
+from .push import Aborted, Lane, PreparedPush, Transaction
+from .routes import Route
+from .stats import SendStats
+
+log = logging.getLogger("jax_sender")
+
+# How long a stopped push may take to leave its NCCL calls before it is abandoned.
+CANCEL_GRACE_S = 2.0
+FIRST_CTRL_C = ("Ctrl-C: letting the push in flight end on the servers (within its deadlines), so "
+                "they are left ready for the next one; press Ctrl-C again to abort it at once")
+SECOND_CTRL_C = ("a second Ctrl-C aborted the push mid-stream: the servers' workers may be left "
+                 "inside NCCL; reconnect() says which server, if any, needs a restart")
+
+
+class Stuck(NcclTimeoutError):
+    """An NCCL call of the push did not return within its deadline."""
+
+
+class Ticket:
+    """A caller's turn to push, from admission to the push's end."""
+
+    def __init__(self, release: Callable[[], None]):
+        self._release: Callable[[], None] | None = release
+
+    def hand_over(self) -> Callable[[], None]:
+        """The release, for the push that now owns the turn."""
+        release, self._release = self._release, None
+        return release
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._release is not None:
+            self.hand_over()()
+
+
+class PendingSend:
+    """A push in flight. ``result()`` waits for it.
+
+    ``done()``: whether it ended, either way. ``result(timeout)``: its
+    ``SendStats``, or its error; ``TimeoutError`` if it has not ended within
+    ``timeout`` seconds (it goes on). A Ctrl-C while waiting lets the push end
+    on the servers, then raises ``KeyboardInterrupt``; a second aborts it.
+    """
+
+    def __init__(self, bound_s: float):
+        self._future: Future[SendStats] = Future()
+        self._cancel = threading.Event()
+        self._abort = threading.Event()
+        self._why = ""
+        self.bound_s = bound_s  # its deadlines, all of them
+
+    def start(self, work: Callable[[], SendStats], name: str) -> None:
+        """Run ``work`` on a kept thread of its own; let it end at exit."""
+        _in_flight.add(self)
+        in_background(self._run, work, name=name)
+
+    def run_here(self, work: Callable[[], SendStats]) -> SendStats:
+        """Run ``work`` on this thread; its figures, or what it raised."""
+        self._run(work)
+        return self._future.result()
+
+    def _run(self, work: Callable[[], SendStats]) -> None:
+        try:
+            self._future.set_result(work())
+        except BaseException as e:
+            self._future.set_exception(e)
+        finally:
+            _in_flight.discard(self)
+
+    def cancelled(self) -> None:
+        """Raises ``PushCancelled`` once ``cancel`` was called."""
+        if self._cancel.is_set():
+            raise PushCancelled(f"the push was cancelled ({self._why})")
+
+    def aborted(self) -> None:
+        """Raises ``Aborted`` once ``abort`` was called."""
+        if self._abort.is_set():
+            raise Aborted(SECOND_CTRL_C)
+
+    def cancel(self, why: str) -> None:
+        """Cancel the push if it has not announced anything to the servers
+        yet; a round under way is completed."""
+        self._why = why
+        self._cancel.set()
+
+    def abort(self) -> None:
+        """Stop the push at once (its communicator is aborted)."""
+        self._abort.set()
+
+    def done(self) -> bool:
+        """Whether the push ended (either way)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SendStats:
+        """Wait for the push.
+
+        Args:
+            timeout: seconds to wait at most; None: until it ends (its own
+                deadlines bound it).
+
+        Returns:
+            Its ``SendStats``.
+
+        Raises:
+            SendError: the push's failure.
+            TimeoutError: not ended within ``timeout`` (it goes on).
+            KeyboardInterrupt: a Ctrl-C while waiting (see the class).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interrupted = False
+        while True:
+            try:
+                if not await_future(self._future, None if interrupted else deadline):
+                    raise TimeoutError(f"the push did not end within {timeout}s; it goes on "
+                                       "(wait again, or close() the sender)")
+                break
+            except KeyboardInterrupt:
+                if interrupted:
+                    self.abort()
+                    self.wait_stopped(CANCEL_GRACE_S)
+                    raise KeyboardInterrupt(SECOND_CTRL_C) from None
+                interrupted = True
+                log.warning(FIRST_CTRL_C)
+        if interrupted:
+            raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
+        return self._future.result()
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the push to end; whether it did."""
+        try:
+            self._future.exception(timeout=timeout)
+        except Exception:
+            pass
+        return self._future.done()
+
+
+# Pushes running in the background: at exit each is let end on the servers.
+_in_flight: set[PendingSend] = set()
+
+
+@atexit.register
+def _let_pushes_end() -> None:
+    for pending in list(_in_flight):
+        log.warning("exiting: letting the push in flight end on the servers")
+        pending.wait_stopped(pending.bound_s)
+
+
+class _Interrupts:
+    """Ctrl-C during a blocking push on the main thread: the first is held
+    until the push ended, the second raises at once. Left alone where the
+    program set a SIGINT handler of its own, or off the main thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning(FIRST_CTRL_C)
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt(SECOND_CTRL_C)
+
+    def __enter__(self) -> _Interrupts:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _refused(exc: BaseException) -> BaseException:
+    """The error for a push that failed before any ``/update_weights`` was
+    posted: no collective was started, so nothing needs aborting."""
+    if isinstance(exc, (KeyboardInterrupt, Aborted)):
+        return KeyboardInterrupt("Ctrl-C before any weights were sent; the servers keep theirs")
+    return SendError(f"weight push failed before any weights were sent: {type(exc).__name__}: "
+                     f"{exc}. The servers keep their weights and the sender is usable")
+
+
+class Session:
+    """A route's connection to the servers' workers, and its pushes.
+
+    Args:
+        route: how this trainer takes part (``routes.py``).
+        connection: the formed group (None off the transfer group).
+        config: every setting.
+        broadcaster: makes what moves the bytes over a connection.
+    """
+
+    def __init__(self, route: Route, connection: Connection | None, config: SendConfig, *,
+                 broadcaster: Callable[[Connection], Broadcaster]):
+        self.route = route
+        self.connection = connection
+        self.config = config
+        self.sent: dict[int, list[TensorMeta]] = {}  # per src: the metadata the workers hold
+        self.broken = ""  # why the group is broken, until reconnect()
+        self.closed = False
+        self.on_reset: list[Callable[[], None]] = []  # called when a communicator is given up
+        self._make_broadcaster = broadcaster
+        self._broadcaster: Broadcaster | None = None
+        self._orphans: list[Lane] = []  # lanes abandoned inside an NCCL call
+        self._turn = threading.Lock()
+        self._busy_until = 0.0  # the push in flight's deadlines, all of them
+        self._pending: PendingSend | None = None
+
+    @property
+    def info(self) -> InitInfo:
+        """What the workers were told at init (this process's view)."""
+        return self.connection.init_info if self.connection else self.route.group.init_info
+
+    @property
+    def clients(self) -> list[VLLMClient]:
+        """The servers this process talks to (none off process 0)."""
+        return self.connection.clients if self.connection else []
+
+    # -- admission ------------------------------------------------------
+    def admit(self) -> Ticket:
+        """Wait for the push in flight, if any, then return this caller's turn.
+
+        Raises:
+            SenderClosed: the sender is closed.
+            SendError: the group is broken (``reconnect()``), or the push in
+                flight did not end by its deadlines.
+        """
+        ticket = self._wait_turn()
+        if self.closed or self.broken:
+            ticket.hand_over()()
+            if self.closed:
+                raise SenderClosed("this sender is closed; build a new one with connect()")
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+        self._busy_until = time.monotonic() + self.config.wait_timeout_s(0)
+        return ticket
+
+    def _wait_turn(self) -> Ticket:
+        holder_since = time.monotonic()
+        while not self._turn.acquire(timeout=0.05):
+            if self.closed:
+                raise SenderClosed("this sender is closed; build a new one with connect()")
+            if time.monotonic() > max(self._busy_until, holder_since) + CANCEL_GRACE_S:
+                raise SendError("another push on this sender did not end by its deadlines; a "
+                                "sender pushes one at a time: call send() from one thread, or "
+                                "close() it and connect() again")
+        return Ticket(self._turn.release)
+
+    # -- a push ---------------------------------------------------------
+    def run(self, ticket: Ticket, push: PreparedPush, *, background: bool,
+            t0: float) -> SendStats | PendingSend:
+        """Run ``push``, owning ``ticket`` until it ends.
+
+        Args:
+            ticket: this caller's turn, from ``admit``.
+            push: the validated push.
+            background: run it on a thread of its own and return at once.
+            t0: when ``send()`` was called (``time.perf_counter()``).
+
+        Returns:
+            Its ``SendStats`` (blocking), or its ``PendingSend``.
+
+        Raises:
+            SendError: see ``push.Transaction`` and the module docstring.
+            KeyboardInterrupt: a Ctrl-C during a blocking push.
+        """
+        conn, broadcaster = self.connection, self._broadcaster_of(self.connection)
+        pending = self._pending = PendingSend(push.bound_s)
+        self._busy_until = time.monotonic() + push.bound_s + CANCEL_GRACE_S
+        release = ticket.hand_over()
+
+        def work() -> SendStats:
+            try:
+                return self._transact(push, conn, broadcaster, pending, t0)
+            finally:
+                release()
+
+        if background:
+            pending.start(work, name="jax-sender-push")
+            push.stats.returned_s = time.perf_counter() - t0
+            return pending
+        with _Interrupts() as interrupts:
+            try:
+                return pending.run_here(work)
+            finally:
+                self._pending = None
+                if interrupts.count == 1:
+                    raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
+
+    def _transact(self, push: PreparedPush, conn: Connection, broadcaster: Broadcaster,
+                  pending: PendingSend, t0: float) -> SendStats:
+        lane = Lane()
+        tx = Transaction(push, ControlPlane(conn.clients, push.timeout_s), broadcaster, lane,
+                         check=self._checker(pending, conn, push.timeout_s),
+                         cancelled=pending.cancelled)
+        try:
+            stats = tx.run()
+        except BaseException as e:
+            if not tx.announced:  # no collective was started: the group is intact
+                raise _refused(e) from e
+            raise self._fail(e, conn, lane, broadcaster) from e
+        if tx.failure is not None:
+            if tx.announced:
+                self.sent = {}  # the workers hold an incomplete update: the next push sends all
+            raise tx.outcome()
+        self.sent = push.sent
+        stats.returned_s = stats.returned_s or time.perf_counter() - t0
+        log.info("sent %s", stats)
+        return stats
+
+    def _checker(self, pending: PendingSend, conn: Connection,
+                 timeout: float) -> Callable[[], None]:
+        def check() -> None:
+            pending.aborted()
+            since = conn.comm.in_call_since
+            if since and time.monotonic() - since > timeout:
+                raise Stuck(f"an NCCL call did not return within {timeout}s (a peer is gone "
+                            "while a connection was being set up)")
+        return check
+
+    def _fail(self, exc: BaseException, conn: Connection, lane: Lane,
+              broadcaster: Broadcaster) -> BaseException:
+        """Give the communicator up after a failure that aborts; the error
+        for the caller (a ``KeyboardInterrupt`` stays one)."""
+        stopped = lane.stop(0.0 if isinstance(exc, Stuck) else CANCEL_GRACE_S)
+        why = f"{type(exc).__name__}: {exc}"
+        if stopped:
+            self.broken = why
+            conn.comm.abort(f"send failed: {type(exc).__name__}")
+        else:  # inside NCCL past its deadline: give it up, never free under it
+            self._broadcaster = None  # the call may still read its buffers
+            lane.then(lambda: (conn.comm.abort("an abandoned NCCL call returned"),
+                               broadcaster.close()))
+            self._orphans.append(lane)
+            self.broken = f"an NCCL call did not return ({why})"
+        self._reset()
+        if isinstance(exc, (KeyboardInterrupt, Aborted)):
+            return KeyboardInterrupt(SECOND_CTRL_C)
+        return SendError(
+            f"weight push failed: {why}. The communicator was "
+            f"{'aborted' if stopped else 'abandoned'}; call reconnect() before the next send "
+            "(it finishes the servers' open update sessions, and names a server that needs a "
+            "restart, if any)")
+
+    def _reset(self) -> None:
+        """The communicator was given up: what the workers hold is unknown."""
+        self.sent = {}
+        for hook in self.on_reset:
+            hook()
+
+    def _broadcaster_of(self, conn: Connection) -> Broadcaster:
+        if self._broadcaster is None:
+            self._broadcaster = self._make_broadcaster(conn)
+        return self._broadcaster
+
+    # -- lifetime -------------------------------------------------------
+    def reconnect(self) -> None:
+        """Finish the servers' open update sessions and shut their engines
+        down, mint a new id and form the group again, all within
+        ``config.reconnect_timeout_s``. In a group, every process calls it
+        together.
+
+        Raises:
+            ServerStuck: a server's engine does not answer (a restart is needed).
+            RendezvousError: the new group could not be formed.
+            SenderClosed: the sender is closed.
+        """
+        if self.closed:
+            raise SenderClosed("this sender is closed; build a new one with connect()")
+        with self._wait_turn():
+            deadline = Deadline(self.config.reconnect_timeout_s)
+            self.broken = self.broken or "reconnecting"
+            self._drop_connection(deadline, strict=True)
+            self.connection = self.route.form(deadline.left())
+            self.broken = ""
+
+    def close(self) -> None:
+        """Let a push in flight end on the servers (one still waiting for
+        its arrays is cancelled), free the streams and buffers, shut the
+        servers' engines down, free the communicator, close the HTTP
+        clients this sender made. Calling it again does nothing."""
+        if self.closed:
+            return
+        pending = self._pending
+        if pending is not None and not pending.done():
+            pending.cancel("close()")
+        try:
+            ticket = self._wait_turn()
+        except SendError:
+            ticket = Ticket(lambda: None)  # the push in flight overran: tear down beside it
+        with ticket:
+            self.closed = True
+            self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
+            for client in getattr(self.route, "clients", []):
+                client.close()
+
+    def _drop_connection(self, deadline: Deadline, *, strict: bool) -> None:
+        """Free the broadcaster, release the servers, free the communicator
+        (unless an abandoned lane is still inside one of its calls)."""
+        self._reset()
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+        conn, self.connection = self.connection, None
+        if conn is not None:
+            alive = any(lane.busy for lane in self._orphans)
+            conn.close(deadline=deadline, free_comm=not alive, strict=strict)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"broken: {self.broken}" if self.broken else "ready"
+        return f"Session({state}, {len(self.clients)} server(s))"

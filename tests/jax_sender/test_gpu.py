@@ -1,0 +1,197 @@
+"""GPU tests: real processes, one GPU each (skipped without two GPUs).
+
+GPU 0 is the trainer; receivers take GPUs 1..3. Every child has a timeout
+and every server is killed with its process group, so a failure never hangs.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jax_sender.testing.harness import (
+    ReferenceServer,
+    VLLMServer,
+    child_env,
+    free_port,
+    gpu_env,
+    run_all,
+    vllm_available,
+)
+from support import ROOT, child
+from uniqueid import UniqueId
+
+pytestmark = pytest.mark.gpu
+
+
+def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
+    argv, env = child("gpu_scenarios", name, *args, env=gpu_env(gpu))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout
+    return out.stdout
+
+
+def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
+    argv, env = child("gpu_scenarios", name, *args, env=gpu_env(gpu))
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("blocking", ["0", "1"])
+def test_two_ranks_init_all_reduce_broadcast(blocking):
+    uid = UniqueId.mint().to_b64()
+    run_all([start("nccl_pair", str(r), uid, blocking, gpu=str(r)) for r in range(2)], 180)
+
+
+@pytest.mark.parametrize("blocking", ["0", "1"])
+def test_init_times_out_when_a_peer_never_comes(blocking):
+    print(run("init_timeout", "3", blocking, timeout=60))
+
+
+def test_wheel_library_is_used_inside_jax():
+    print(run("library_pick"))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_reference_receiver(mode):
+    with ReferenceServer(["1"]) as url:
+        run("send", url, mode, "1", "3", timeout=300)
+
+
+def test_asynchronous_push_survives_a_donating_step():
+    with ReferenceServer(["1"]) as url:
+        print(run("async_donation", url, timeout=300))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_three_receivers(mode):
+    with ReferenceServer(["1", "2", "3"]) as url:
+        run("send", url, mode, "3", "2", timeout=300)
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_three_servers_one_broadcast(mode):
+    with ReferenceServer(["1"]) as a, ReferenceServer(["2"]) as b, ReferenceServer(["3"]) as c:
+        print(run("servers", mode, a, b, c, timeout=300))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("layout, mode", [("stages", "packed"), ("stages", "unpacked"),
+                                          ("fsdp", "packed")])
+def test_two_trainer_processes(layout, mode):
+    """Two JAX processes (GPUs 0, 1) -> one server with two workers (GPUs 2, 3)."""
+    port = str(free_port())
+    with ReferenceServer(["2", "3"]) as url:
+        print(*run_all([start("group", str(p), "2", port, url, layout, mode, "2", gpu=str(p))
+                        for p in (0, 1)], 300))
+
+
+@pytest.mark.parametrize("layout", ["stages", "fsdp"])
+def test_connect_group_with_one_process(layout):
+    """The group path (id shared through JAX, turns, plan checks) with one process."""
+    with ReferenceServer(["1"]) as url:
+        print(run("group", "0", "1", str(free_port()), url, layout, "packed", "1", timeout=240))
+
+
+def test_world_size_too_large_times_out():
+    with ReferenceServer(["1"]) as url:
+        print(run("too_large", url, timeout=120))
+
+
+# -- fault injection (reference receiver, real processes) -----------------------
+
+@pytest.mark.parametrize("what", ["workers", "server"])
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_receiver_killed_mid_transfer(mode, what):
+    print(run("killed", mode, what, timeout=180))
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_three_receivers_killed_mid_transfer(mode):
+    print(run("killed", mode, "workers", "3", timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_update_refused_before_any_collective_fails_fast(mode):
+    print(run("refused", mode, timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_stalled_receiver_hits_the_deadline(mode):
+    print(run("stalled", mode, timeout=180))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_load_weights_failure_then_reconnect_is_exact(mode):
+    print(run("load_fails", mode, timeout=180))
+
+
+def test_ctrl_c_during_send_aborts():
+    print(run("interrupted", "packed", timeout=180))
+
+
+def test_200_sends_exact_and_memory_flat():
+    with ReferenceServer(["1"]) as url:
+        print(run("many_sends", url, "packed", "200", timeout=580))
+
+
+def test_100_failed_sends_and_reconnects_leak_nothing():
+    print(run("failed_sends", "100", timeout=580))
+
+
+def test_load_plan_subsets_pass_and_strangers_are_refused():
+    with ReferenceServer(["1"]) as url:
+        print(run("load_plan", url, timeout=180))
+
+
+def test_sparse_patches_are_bit_exact():
+    with ReferenceServer(["1"], backend="sparse_nccl") as url:
+        print(run("sparse", url, timeout=180))
+
+
+def test_demo_runs():
+    out = subprocess.run([sys.executable, "-m", "jax_sender.demo"], env=child_env(),
+                         capture_output=True, text=True, timeout=400, cwd=ROOT)
+    print(out.stdout[-3000:], out.stderr[-2000:])
+    assert out.returncode == 0 and "demo PASSED" in out.stdout
+
+
+# -- against vLLM 0.33.0's own receiving code (.vllm/, see the README) ---------
+
+@pytest.fixture
+def vllm_server(tmp_path_factory):
+    if not vllm_available():
+        pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
+    log = tmp_path_factory.mktemp("vllm") / "requests.jsonl"
+    with VLLMServer("1", output=log.with_suffix(".out"), requests=log) as url:
+        yield url, log
+    print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
+    print("vLLM requests:", log.read_text()[-3000:] if log.exists() else "none")
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_send_to_vllm_0_33(vllm_server, mode):
+    url, log = vllm_server
+    run("send", url, mode, "1", "3", timeout=300)
+
+
+def test_vllm_refusal_during_init_raises_fast(vllm_server):
+    run("vllm_refused", vllm_server[0], timeout=120)
+
+
+def test_sparse_into_vllms_sparse_engine(tmp_path):
+    """vLLM 0.33.0's ``SparseNCCLWeightTransferEngine`` and NaN-masked loader."""
+    if not vllm_available():
+        pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
+    log = tmp_path / "requests.jsonl"
+    try:
+        with VLLMServer("1", output=log.with_suffix(".out"), requests=log, sparse=True) as url:
+            print(run("sparse", url, timeout=240))
+    finally:
+        print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])

@@ -1,0 +1,320 @@
+"""The whole ``send`` on CPU: route order, the update in flight while the
+broadcasts run, metadata reuse, asynchronous pushes, packing by XLA.
+The transport is in memory (``support.memory_link``) and the servers are an
+independent rendition of vLLM's (``support.memory_server``); everything
+else is the library's own. Failures: ``test_failures.py``."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sender import LoadPlan, MetadataError, PendingSend, SendConfig, TensorMeta, describe
+from jax_sender._src.naming import Mapping
+from support.memory_link import memory_sender
+from support.pushes import (
+    SMALL,
+    calls,
+    every_dtype,
+    expected,
+    held,
+    params,
+    pushed,
+    slow_step,
+    torch_layout,
+)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_push_is_exact_and_follows_the_route_order(packed):
+    sender, (server,), caster = memory_sender(SendConfig(packed=packed, buffer_size_bytes=4096))
+    stats = sender.send(params(), weight_version="v1", pause="keep")
+    assert server.routes() == ["/get_world_size", "/init_weight_transfer_engine", "/pause",
+                               "/start_weight_update", "/update_weights",
+                               "/finish_weight_update", "/resume"]
+    assert held(server) == expected(params()) and server.weight_version == "v1"
+    assert stats.tensors == 5 and stats.bytes == sum(len(b) for b in expected(params()).values())
+    # /update_weights was in flight during every broadcast: each one ends only
+    # once the worker took it inside that call (as NCCL's does), and each was
+    # issued before the call was answered.
+    (update,) = calls(server, "/update_weights")
+    assert caster.sent and all(t <= update.answered for _, _, t in caster.sent)
+    assert stats.returned_s > 0 and not sender.broken
+
+
+def test_connect_tells_every_server_its_rank_offset_and_the_world():
+    """Through the real ``uniqueid.connect``: two servers of 2 workers each
+    are asked their world size, and told one id, offsets 1 and 3, world 5,
+    and the config's wire geometry; the join is made as rank 0 of 5."""
+    config = SendConfig(buffer_size_bytes=4096, num_buffers=3)
+    sender, (a, b), _ = memory_sender(config, servers=2, workers=2)
+    b_info = b.init_infos[-1]
+    a_info = a.init_infos[-1]
+    assert a_info["nccl_unique_id_b64"] == b_info["nccl_unique_id_b64"]
+    assert (a_info["rank_offset"], b_info["rank_offset"]) == (1, 3)
+    assert a_info["world_size"] == b_info["world_size"] == 5
+    assert (a_info["packed"], a_info["packed_buffer_size_bytes"],
+            a_info["packed_num_buffers"]) == (True, 4096, 3)
+    (join,) = sender.session.route.joiner.joins
+    assert (join["world_size"], join["rank"]) == (5, 0)
+
+
+def test_update_s_is_the_update_call_itself_inside_transfer_s():
+    """``update_s`` times ``/update_weights`` inside its own thread, as vLLM's
+    torch engine is timed: at least what the server took to answer, at most
+    the protocol's ``transfer_s`` (which adds the handoffs between threads)."""
+    sender, (server,), _ = memory_sender(SMALL, delay_s=0.05)
+    stats = sender.send(params())
+    (update,) = calls(server, "/update_weights")
+    assert update.answered - update.arrived <= stats.update_s <= stats.transfer_s
+
+
+def test_the_largest_tensors_go_first_and_metadata_is_reused():
+    sender, (server,), caster = memory_sender(SMALL)
+    sender.send(params(0))
+    assert caster.sent[0][1] == 64 * 48 * 2  # embed, larger than the buffer, alone and first
+    first = calls(server, "/update_weights")[0]
+    assert first.body["update_info"]["names"][0] == "embed"
+    sender.send(params(1))
+    assert held(server) == expected(params(1))
+    assert sender.send(params(2)).reused_metadata
+    assert held(server) == expected(params(2))
+    last = calls(server, "/update_weights")[-1]
+    assert last.body["update_info"] == {"names": [], "dtype_names": [], "shapes": []}
+
+
+def test_after_reconnect_the_first_push_sends_its_metadata_again():
+    """vLLM forgets metadata when its engine is re-initialised: a sender that
+    reused it after ``reconnect()`` would leave the workers with nothing to
+    cut the chunks by (the memory server refuses empty lists then)."""
+    sender, (server,), _ = memory_sender(SMALL)
+    sender.send(params(0))
+    assert sender.send(params(1)).reused_metadata
+    sender.reconnect()
+    assert pushed(server) == []
+    stats = sender.send(params(2))
+    assert not stats.reused_metadata and held(server) == expected(params(2))
+
+
+def test_one_broadcast_feeds_two_servers():
+    sender, servers, _ = memory_sender(SMALL, servers=2)
+    sender.send(params(3))
+    for s in servers:
+        assert held(s) == expected(params(3))
+        assert pushed(s) == ["/start_weight_update", "/update_weights",
+                             "/finish_weight_update"]
+
+
+def test_a_tree_that_changes_between_pushes_is_described_again():
+    """A push of the same structure, shapes, dtypes and placement as the one
+    before reuses its description; any change is described again and its
+    metadata goes on the wire."""
+    sender, (server,), _ = memory_sender(SMALL)
+    base = params()
+    sender.send(base)
+    assert sender.send(params(1)).reused_metadata
+    for change in ({"head": jnp.ones((41, 40), jnp.float16)},        # a shape
+                   {"head": base["head"].astype(jnp.float32)},      # a dtype
+                   {"head": np.ones((3, 40), np.float16)}):         # host data
+        tree = dict(base, **change)
+        assert not sender.send(tree).reused_metadata
+        assert held(server) == expected(tree)
+        assert server.store["head"].shape == np.shape(change["head"])
+    assert not sender.send(base).reused_metadata  # the first description, again
+    assert held(server) == expected(base)
+
+
+def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait():
+    """The readiness wait runs beside ``/start_weight_update``; the workers
+    get ``/update_weights`` (and sit in NCCL) only once the arrays exist."""
+    sender, (server,), _ = memory_sender(SMALL)
+    sender.send(params())
+    step = slow_step()
+    tree = step(params(1))  # dispatched: seconds of CPU work before it exists
+    leaf = tree["head"]
+    out: list = []
+    pushing = threading.Thread(target=lambda: out.append(sender.send(tree)))
+    pushing.start()
+    deadline = time.monotonic() + 10
+    while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.routes()[-1] == "/start_weight_update" and not leaf.is_ready()
+    while True:  # the last instant the arrays were seen not computed yet
+        t = time.monotonic()
+        if leaf.is_ready():
+            break
+        not_ready_at = t
+        time.sleep(0.005)
+    pushing.join(30)
+    assert calls(server, "/update_weights")[-1].arrived > not_ready_at
+    assert out and held(server) == expected(params(1))
+
+
+def test_metadata_that_disagrees_is_refused_before_any_http_call():
+    sender, (server,), _ = memory_sender(SMALL)
+    declared = [TensorMeta("embed", "bfloat16", (64, 48))]
+    with pytest.raises(MetadataError, match="metadata declares 1 tensors but 5"):
+        sender.send(params(), metadata=declared)
+    assert pushed(server) == [] and not sender.broken
+
+
+def test_load_plan_subsets_pass_and_strangers_are_refused_before_any_http_call():
+    plan = LoadPlan(describe(params(), Mapping())[0])
+    sender, (server,), _ = memory_sender(SMALL, load_plan=plan)
+    sender.send({"head": params()["head"]})
+    with pytest.raises(MetadataError, match=r"'head' sent as \(float32, \[40, 40\]\) was "
+                                            r"declared at init as \(float16, \[40, 40\]\)"):
+        sender.send({"head": jnp.zeros((40, 40), jnp.float32)})
+    with pytest.raises(MetadataError, match="'c' sent as .* was not declared"):
+        sender.send({"c": jnp.zeros(1, jnp.float32)})
+    assert pushed(server).count("/update_weights") == 1 and not sender.broken
+
+
+def test_an_asynchronous_push_returns_at_once_and_survives_donation():
+    """The next step donates and overwrites the parameters right after
+    send(wait=False) returns: the push still delivers them as they were."""
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.05)
+    step = jax.jit(lambda p: jax.tree_util.tree_map(lambda x: x * 0 + 1, p), donate_argnums=0)
+    sender.send(params(3), wait=False).result(timeout=20)  # compiles its copies
+    before = len(caster.sent)
+    p = params(4)
+    want = expected(p)
+    t = time.perf_counter()
+    pending = sender.send(p, wait=False)
+    returned = time.perf_counter() - t
+    assert isinstance(pending, PendingSend) and not pending.done()
+    p = step(p)  # the old buffers are donated, then overwritten
+    jax.block_until_ready(p)
+    stats = pending.result(timeout=20)
+    assert held(server) == want
+    assert returned < 0.05 * (len(caster.sent) - before) and stats.returned_s < stats.total_s
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_xla_packs_transformed_chunks_bit_exact_in_every_dtype(wait):
+    """With a transform (blocking) or a snapshot (asynchronous), each chunk is
+    transformed and packed by one jitted call; the bytes are torch's layout."""
+    sender, (server,), caster = memory_sender(SMALL, mapping=Mapping(transform=torch_layout))
+    for seed in (0, 1):  # the second push reuses the compiled packers
+        out = sender.send(every_dtype(seed), wait=wait)
+        if not wait:
+            out.result(timeout=20)
+        assert held(server) == expected(every_dtype(seed), torch_layout)
+    assert caster.passes == ["xla", "xla"]
+    assert server.store["a.w"].shape == (40, 24)  # (out, in), as torch's Linear holds it
+
+
+def test_chunks_of_too_many_tensors_are_packed_by_copies(monkeypatch):
+    monkeypatch.setattr("jax_sender._src.packing.MAX_TENSORS", 2)
+    sender, (server,), caster = memory_sender(SMALL, mapping=Mapping(transform=torch_layout))
+    sender.send(every_dtype(2))
+    sender.send(every_dtype(3), wait=False).result(timeout=20)
+    assert caster.passes == ["copies", "copies"]
+    assert held(server) == expected(every_dtype(3), torch_layout)
+
+
+def test_asynchronous_pushes_write_their_chunks_into_the_same_buffers():
+    """Each asynchronous push writes its chunks of several tensors in place
+    into the buffers the push before it used (donated, not reallocated), and
+    still carries its own bytes; another layout gets buffers of its own."""
+    sender, (server,), _ = memory_sender(SMALL)
+    pointers = []
+    for seed in (1, 2, 3):
+        sender.send(params(seed), wait=False).result(timeout=20)
+        assert held(server) == expected(params(seed))
+        pointers.append({k: a.unsafe_buffer_pointer() for k, a in sender._staging.items()})
+    assert pointers[0] and pointers[0] == pointers[1] == pointers[2]
+    other = {"layer": {"w": jnp.ones((30, 30), jnp.float32), "b": jnp.arange(9, dtype=jnp.int8)}}
+    sender.send(other, wait=False).result(timeout=20)
+    assert held(server)["layer.w"] == expected(other)["layer.w"]
+    assert [a.nbytes for a in sender._staging.values()] == [3600 + 9]
+
+
+def test_an_unpacked_asynchronous_push_sends_its_per_tensor_snapshot():
+    sender, (server,), caster = memory_sender(SendConfig(packed=False), delay_s=0.01)
+    p = params(8)
+    want = expected(p)
+    pending = sender.send(p, wait=False)
+    p = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 0, t), donate_argnums=0)(p)
+    assert pending.result(timeout=20).tensors == 5 and held(server) == want
+    assert caster.passes == ["tensors"] and len(caster.sent) == 5
+
+
+def test_a_send_while_one_is_in_flight_waits_for_it():
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.02)
+    first = sender.send(params(5), wait=False)
+    sender.send(params(6))
+    assert first.done() and first.result().bytes
+    assert held(server) == expected(params(6))
+    assert pushed(server).count("/start_weight_update") == 2
+
+
+def test_sends_from_two_threads_take_turns():
+    """One sender, two threads pushing at once: each push runs whole, one
+    after the other (never two update sessions at once), both land."""
+    sender, (server,), _ = memory_sender(SMALL, delay_s=0.01)
+    errors: list = []
+
+    def push(seed: int) -> None:
+        try:
+            for _ in range(3):
+                sender.send(params(seed))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not sender.broken
+    assert pushed(server) == ["/start_weight_update", "/update_weights",
+                              "/finish_weight_update"] * 6
+    assert held(server) in (expected(params(1)), expected(params(2)))
+
+
+def test_a_blocking_push_talks_http_on_the_callers_thread():
+    """A blocking send makes its HTTP calls itself, as vLLM's torch engine
+    does (each handoff between threads costs a wake-up), except the
+    ``/update_weights`` in flight while the broadcasts run; the broadcasts run
+    on the NCCL thread."""
+    sender, (server,), caster = memory_sender(SMALL)
+    seen = []
+    client = sender.session.clients[0]
+    for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+        call = getattr(client, name)
+        setattr(client, name, lambda *a, call=call, name=name, **k: (
+            seen.append((name, threading.current_thread().name)), call(*a, **k))[1])
+    put = caster._put
+    caster._put = lambda *a: (seen.append(("broadcast", threading.current_thread().name)),
+                              put(*a))[1]
+    sender.send(params())
+    me = threading.current_thread().name
+    assert [s for s in seen if s[0] != "broadcast"] == [
+        ("start_weight_update", me), ("update_weights", "vllm-update"),
+        ("finish_weight_update", me)]
+    assert {s for s in seen if s[0] == "broadcast"} == {("broadcast", "jax-sender-nccl")}
+    assert held(server) == expected(params())
+
+
+def test_staging_bound_too_small_falls_back_to_a_blocking_push():
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=100))
+    stats = sender.send(params(7), wait=False)
+    assert not isinstance(stats, PendingSend)  # it ran to the end before returning
+    assert held(server) == expected(params(7))
+
+
+def test_verify_compares_vllms_checksums_on_every_worker_of_every_server():
+    sender, (a, b), _ = memory_sender(SMALL, servers=2, workers=2)
+    p = params(9)
+    sender.send(p)
+    check = sender.verify(p)
+    assert check.ok and sorted(check.matched) == sorted(expected(p)) and not check.unchecked
+    b.store["layer.w"] = b.store["layer.w"] + 1  # silent corruption on one server's workers
+    del a.store["head"]  # a name one server no longer reports (fused, say)
+    del b.store["head"]
+    check = sender.verify(p)
+    assert not check.ok and check.mismatched == ("layer.w",) and check.unchecked == ("head",)

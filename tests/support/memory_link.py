@@ -1,0 +1,179 @@
+"""A whole push on CPU: the sender's real code over an in-memory wire.
+
+The servers are ``memory_server.MemoryServer``: real HTTP on loopback, with
+vLLM's routes, session rules and receiving, written from vLLM's code and
+not from this library's. The group forms through the real
+``uniqueid.connect`` (world sizes, init payloads, the servers' answers):
+only the NCCL handshake is replaced (``MemoryJoin``), and only the
+broadcasts go over memory (``MemoryBroadcaster``, which lays each
+broadcast's bytes on every server's wire and, like NCCL, ends a broadcast
+only once every receiver took it).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_sender import SendConfig, SparseSender, WeightSender
+from jax_sender._src.routes import SingleProcess
+from jax_sender._src.session import Session
+from nccl_cffi import NcclTimeoutError
+from support.memory_server import MemoryServer
+from uniqueid import UniqueId, VLLMClient
+
+
+class MemoryComm:
+    """What a sender asks of its communicator outside the broadcasts."""
+
+    def __init__(self, world_size: int = 2) -> None:
+        self.world_size = world_size
+        self.in_call_since = 0.0
+        self.aborted = ""
+        self.destroyed = False
+
+    @property
+    def state(self) -> str:
+        return self.aborted or ("destroyed" if self.destroyed else "open")
+
+    def abort(self, reason: str = "aborted") -> None:
+        self.aborted = self.aborted or reason
+
+    def destroy(self, timeout: float | None = None) -> None:
+        self.destroyed = True
+
+
+class MemoryJoin:
+    """The trainer's side of a join with no GPU: nothing to check, and a
+    ``MemoryComm`` once every server answered its init (which its workers do
+    at once: there is no NCCL to wait in). ``joins`` records each join's
+    arguments."""
+
+    def __init__(self) -> None:
+        self.joins: list[dict[str, Any]] = []
+        self.comms: list[MemoryComm] = []
+
+    def preflight(self, device: int) -> None:
+        pass
+
+    def mint(self) -> UniqueId:
+        """A random id: NCCL's would open a bootstrap listener only a real init closes."""
+        return UniqueId(os.urandom(128))
+
+    def join(self, world_size: int, unique_id: Any, rank: int, device: int, *,
+             timeout: float | None, check: Any) -> MemoryComm:
+        self.joins.append(dict(world_size=world_size, unique_id=unique_id, rank=rank,
+                               device=device, timeout=timeout))
+        check()  # a server that refused init at once fails the join
+        self.comms.append(MemoryComm(world_size))
+        return self.comms[-1]
+
+
+class _Tee:
+    """One broadcast reaches every server's wire."""
+
+    def __init__(self, wires: list[queue.Queue]):
+        self.wires = wires
+
+    def put(self, root: int, data: bytes) -> list[threading.Event]:
+        taken = [threading.Event() for _ in self.wires]
+        for w, e in zip(self.wires, taken):
+            w.put((root, data, e))
+        return taken
+
+
+class MemoryBroadcaster:
+    """Puts each broadcast's bytes on the wire; like NCCL's, a broadcast ends
+    only once every receiver took it (``check`` polled meanwhile), and one
+    not taken within the push's per-wait deadline raises ``NcclTimeoutError``."""
+
+    def __init__(self, wire: _Tee, delay_s: float = 0.0):
+        self.wire = wire
+        self.delay_s = delay_s
+        self.started = 0.0
+        self.host_s = 0.0
+        self.link_s = 0.0
+        self.link_bytes = 0
+        self.closed = False
+        self.launched = 0  # broadcasts of the current pass
+        self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time issued)
+        self.passes: list[str] = []  # per pass: "copies", "xla", "tensors", "scratch", "complete"
+
+    def _begin(self, kind: str) -> None:
+        self.started, self.launched = 0.0, 0
+        self.passes.append(kind)
+
+    def _put(self, root: int, data: bytes, check, timeout: float | None) -> None:
+        self.started = self.started or time.perf_counter()
+        time.sleep(self.delay_s)
+        self.sent.append((root, len(data), time.monotonic()))
+        self.launched += 1
+        taken = self.wire.put(root, data)
+        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+        while not all(e.wait(0.01) for e in taken):
+            check()
+            if time.monotonic() > deadline:
+                raise NcclTimeoutError(f"broadcast did not complete within {timeout}s; a "
+                                       "receiver did not take it")
+        check()
+
+    def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
+        self._begin("copies")
+        for c in chunks:
+            data = b"".join(np.asarray(get(i)).tobytes() for i in range(c.start, c.stop))
+            assert len(data) == c.nbytes
+            self._put(root, data, check, timeout)
+
+    def produced(self, chunks, make, root, *, timeout, check, reuse=False) -> None:
+        self._begin("xla")
+        for k, c in enumerate(chunks):
+            data = np.asarray(make(k, None)).tobytes()
+            assert len(data) == c.nbytes
+            self._put(root, data, check, timeout)
+
+    def unpacked(self, metas, get, root, *, timeout, check) -> None:
+        self._begin("tensors")
+        for i, m in enumerate(metas):
+            self._put(root, np.asarray(get(i)).tobytes()[:m.nbytes], check, timeout)
+
+    def scratch(self, parts, root, *, timeout, check, fill=None) -> None:
+        self._begin("scratch")
+        for k, (_, _, nbytes) in enumerate(parts):
+            data = bytes(nbytes) if fill is None else np.asarray(fill(k)).tobytes()
+            self._put(root, data, check, timeout)
+
+    def complete(self, parts, root, *, timeout, check, fill=None) -> None:
+        done = self.launched
+        self.scratch(parts[done:], root, timeout=timeout, check=check,
+                     fill=None if fill is None else lambda k: fill(done + k))
+        self.passes[-1] = "complete"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1, workers: int = 1,
+                  delay_s: float = 0.0, kind: type = WeightSender,
+                  **kwargs) -> tuple[Any, list[MemoryServer], MemoryBroadcaster]:
+    """A sender (``kind``) on JAX's first CPU device, joined through
+    ``uniqueid.connect`` to ``servers`` memory servers of ``workers`` workers
+    each, which one broadcast feeds (like one NCCL group); a
+    ``SparseSender``'s servers run ``sparse_nccl``."""
+    wires = [queue.Queue() for _ in range(servers)]
+    hosts = [MemoryServer(w, workers=workers, sparse=kind is SparseSender) for w in wires]
+    clients = [VLLMClient(h.url, timeout=20) for h in hosts]
+    if kind is SparseSender:
+        from dataclasses import replace
+        config = replace(config, packed=False)
+    route = SingleProcess(clients=clients, device=0, config=config, joiner=MemoryJoin())
+    caster = MemoryBroadcaster(_Tee(wires), delay_s)
+    session = Session(route, route.form(config.init_timeout_s), config,
+                      broadcaster=lambda _: caster)
+    sender = kind(session, device=jax.devices("cpu")[0], **kwargs)
+    return sender, hosts, caster
