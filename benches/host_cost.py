@@ -1,9 +1,11 @@
 """The sender's own host cost per push, on CPU, with no GPU and no vLLM.
 
-    python benches/host_cost.py [--sends 500] [--tensors 1]
+    PYTHONPATH=.:tests python benches/host_cost.py [--sends 500] [--tensors 1]
 
-A 4 KiB push (the bench's fixed-cost row) through ``WeightSender.send``
-over the test suite's in-memory link (``tests/memory_link.py``): real HTTP
+(From the repository's root. ``tests``: the in-memory link is the test
+suite's ``support.memory_link``; ``.`` first, or ``tests/jax_sender/``
+would stand in for the package.) A 4 KiB push (the bench's fixed-cost row)
+through ``WeightSender.send`` over that in-memory link: real HTTP
 on loopback with vLLM's session rules, the broadcast handed over in memory.
 Its HTTP calls are timed where they are made (start and finish on the
 caller's thread, the update inside its own thread: ``SendStats.update_s``);
@@ -18,12 +20,8 @@ pushes 20,000 such tensors instead of one.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main() -> None:
@@ -33,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
-    from memory_link import memory_sender
+    from support.memory_link import memory_sender
 
     jax.config.update("jax_platforms", "cpu")
     sender, _, _ = memory_sender()

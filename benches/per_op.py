@@ -28,7 +28,8 @@ import sys
 import time
 from collections import deque
 
-from bench import GiB, _emit, _ids, _ranks, _uid, need_gpus, workload
+from procs import emit, given_ids, mint_uid, need_gpus, ranks, roles_of, run_role
+from workloads import GiB, workload
 
 WINDOW = 8
 
@@ -56,15 +57,14 @@ def _pass(comm, ptr: int, counts: list[int], stream, events: list) -> tuple[floa
 def role_rank(rank: str, reps: str) -> None:
     import jax.numpy as jnp
 
-    from jax_sender.packer import buffer_pointer
     from nccl_cffi import Communicator, cuda
     from uniqueid import UniqueId, warm_up
     counts = [math.prod(s) for _, s in workload("qwen3-8b")]
     buf = jnp.zeros((2 * max(counts),), jnp.uint8).block_until_ready()
-    ptr, stream, events = buffer_pointer(buf), cuda.Stream(0), []
+    ptr, stream, events = int(buf.unsafe_buffer_pointer()), cuda.Stream(0), []
     flag = jnp.zeros((1,), jnp.float32).block_until_ready()
     out = {}
-    for label, uid in _ids().items():
+    for label, uid in given_ids().items():
         blocking = rank == "1" or label == "blocking"
         comm = Communicator.init_rank(2, UniqueId.from_b64(uid).raw, int(rank), 0,
                                       blocking=blocking, timeout=120)
@@ -76,7 +76,7 @@ def role_rank(rank: str, reps: str) -> None:
             rows.append(_pass(comm, ptr, counts, stream, events))
         out[label] = rows[1:]
         comm.destroy()
-    _emit(dict(out, bytes=2 * sum(counts), ops=len(counts)))
+    emit(dict(out, bytes=2 * sum(counts), ops=len(counts)))
 
 
 def report(raw: list[float], data: dict) -> str:
@@ -100,13 +100,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     reps = str(ap.parse_args().reps)
     need_gpus(2)
-    raw = _ranks("role_raw", 2, "2", reps, ids=_uid())[0][0]
-    uids = {"non-blocking": _uid(), "blocking": _uid()}
-    print(report(raw, _ranks("role_rank", 2, reps, ids=uids, script=__file__)[0][0]))
+    raw = ranks("role_raw", 2, "2", reps, ids=mint_uid())[0][0]  # bench.py's role
+    uids = {"non-blocking": mint_uid(), "blocking": mint_uid()}
+    print(report(raw, ranks("role_rank", 2, reps, ids=uids, script=__file__)[0][0]))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1].startswith("role_"):
-        globals()[sys.argv[1]](*sys.argv[2:])
-    else:
+    if not run_role(sys.argv, roles_of(sys.modules[__name__])):
         main()
