@@ -31,6 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
+
     from support.memory_link import memory_sender
 
     jax.config.update("jax_platforms", "cpu")

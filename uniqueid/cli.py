@@ -3,9 +3,10 @@
 ``doctor`` answers the questions asked first when a push hangs or init
 fails, and checks each one rather than guessing: is there a GPU and a
 driver, which libnccl this process loads (and does it match the NCCL the
-server's vLLM release loads), does the server expose the RL routes, and how
-many workers would join. It exits non-zero when any check fails and says
-what was left unchecked.
+server's vLLM release loads), does the server expose the RL routes, how
+many workers would join, and does its engine answer (one stuck inside NCCL
+by a trainer that left does not); every HTTP call has a deadline. It exits
+non-zero when any check fails and says what was left unchecked.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError
+from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError, VLLMTimeout
 
 # The NCCL that a stock install of each vLLM release loads (through the torch
 # it pins). NCCL refuses ranks of different versions at init.
 VLLM_NCCL = {"0.33.0": "2.30.7"}
+# The deadline of each of doctor's HTTP calls: a healthy server answers
+# every one at once, an engine stuck inside NCCL never does.
+CALL_TIMEOUT = 5.0
 
 
 def _package_version() -> str:
@@ -71,36 +75,53 @@ def _check_nccl(r: _Report, path: str | None) -> tuple[int, int, int] | None:
     return info.version
 
 
-def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> None:
-    client = VLLMClient(url, connect_timeout=5, read_timeout=10)
+def _check_workers(r: _Report, url: str, client: VLLMClient) -> bool:
+    """``/get_world_size``, which vLLM's API process answers from its config:
+    whether the server answers at all, and how many workers would join."""
     try:
         workers = client.get_world_size()
-    except VLLMHTTPError as e:
+    except (VLLMHTTPError, VLLMProtocolError) as e:
         r.bad(f"server {url}: {e}")
-        return
+        return False
     except VLLMConnectionError as e:
         r.bad(f"server {url}: unreachable ({e}); check the URL and that the server is up")
-        return
-    finally:
-        client.close()
+        return False
     if workers < 1:
         r.bad(f"server {url}: reports {workers} workers, so no worker would join the group")
     else:
         r.ok(f"server {url}: {workers} worker(s) -> world_size {workers + 1}")
-    with VLLMClient(url, connect_timeout=5, read_timeout=10) as client:
-        try:
-            paused = client.is_paused()
-            client.weight_info()
-        except (VLLMHTTPError, VLLMConnectionError) as e:
-            r.bad(f"RL routes: {e}")
-        else:
-            r.ok(f"RL routes answer (is_paused={paused}); /init_weight_transfer_engine also "
-                 "needs --weight-transfer-config '{\"backend\":\"nccl\"}' at launch")
+    return True
+
+
+def _check_engine(r: _Report, url: str, client: VLLMClient) -> None:
+    """``/is_paused`` and ``/weight_info``, which go through vLLM's engine
+    core: blocked while a worker sits inside an NCCL call."""
+    route = "/is_paused"
+    try:
+        paused = client.is_paused()
+        route = "/weight_info"
+        client.weight_info()
+    except VLLMTimeout:
+        r.bad(f"server {url}: its engine does not answer (GET {route} took over "
+              f"{CALL_TIMEOUT:g} s while /get_world_size answered): its workers are likely stuck "
+              "inside NCCL waiting for a trainer that left (vLLM sets no deadline there); "
+              "restart the server")
+    except (VLLMHTTPError, VLLMConnectionError, VLLMProtocolError) as e:
+        r.bad(f"RL routes: {e}")
+    else:
+        r.ok(f"RL routes answer (is_paused={paused}); /init_weight_transfer_engine also "
+             "needs --weight-transfer-config '{\"backend\":\"nccl\"}' at launch")
+
+
+def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> None:
+    with VLLMClient(url, connect_timeout=CALL_TIMEOUT, timeout=CALL_TIMEOUT) as client:
+        if not _check_workers(r, url, client):
+            return
+        _check_engine(r, url, client)
         served, why = None, "GET /version gave no version"
         try:
-            answer = client.request("GET", "/version")
-            served = answer.get("version") if isinstance(answer, dict) else None
-        except (VLLMHTTPError, VLLMConnectionError) as e:
+            served = client.request("GET", "/version").get("version")
+        except (VLLMHTTPError, VLLMConnectionError, VLLMProtocolError) as e:
             why = f"GET /version failed ({e})"
     if served is None:
         r.skip("NCCL match", f"{why}; compare "

@@ -1,107 +1,326 @@
-"""A client for one vLLM server's weight-transfer routes.
+"""A client for one vLLM server's weight-transfer routes, safe against a
+server that misbehaves.
 
-One client per deployment (base URL). Bodies are exactly what vLLM's router
-reads: each parameter embedded under its own name. Errors come back as
-``VLLMHTTPError`` with vLLM's own message and status. Timeouts: a short
-connect timeout, and read timeouts long enough for the call (an
-``update_weights`` returns only after every tensor arrived).
+Why not a plain HTTP client: a trainer talks to servers whose workers may be
+stuck inside NCCL, behind proxies, or not vLLM at all, and what it sends
+carries the NCCL unique id, a credential. So every call here
+
+* ends by one deadline for the whole call (connect, send, headers, body):
+  per-read timeouts let a server that trickles a byte a second hold a call
+  for ever. httpcore's connection pool runs over a network backend whose
+  every wait is capped at the time left before the calling thread's
+  deadline; no thread is started, none is left behind;
+* reads a bounded body: it asks for no compression, stops reading at
+  ``max_body_bytes``, and inflates gzip or deflate itself with the same
+  bound on what comes out (no gzip bomb, no endless body);
+* accepts only what vLLM's router answers: a final 2xx status (redirects
+  are never followed) and a JSON object of the route's shape; anything else
+  is a ``VLLMProtocolError`` naming the route, not a silent success;
+* says nothing secret: error messages and bodies go through
+  ``codec.redact``, so a server that echoes the request does not put the
+  unique id into a traceback or a log.
+
+Bodies are exactly what vLLM's router reads: each parameter embedded under
+its own name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+import json as jsonlib
+import math
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+from urllib.parse import urlencode, urlsplit
 
+import httpcore
 import httpx
 
-from nccl_cffi.threads import run_in_thread
+from nccl_cffi.waiting import Deadline
 
+from .codec import redact
 from .errors import RendezvousError
 
-T = TypeVar("T")
-
 DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = 60.0
 DEFAULT_TRANSFER_TIMEOUT = 1800.0
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+# The most of a server's text an error message quotes (after redaction).
+_QUOTE_CHARS = 1000
+_NOT_VLLM = ("vLLM answers every route with a JSON object, so check that the URL is the vLLM "
+             "server itself (not a proxy, a login page or another service)")
+
+
+def _quote(text: str) -> str:
+    """``text`` redacted, on one line, cut to ``_QUOTE_CHARS``."""
+    text = " ".join(redact(text).split())
+    return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
+
+
+def _redacted_json(raw: bytes) -> Any:
+    """An error body, redacted as text first: parsed JSON, else the text."""
+    text = redact(raw.decode("utf-8", "replace"))
+    try:
+        return jsonlib.loads(text)
+    except (ValueError, RecursionError):
+        return text
 
 
 class VLLMHTTPError(RendezvousError):
-    """A route answered with an error status; ``message`` is vLLM's text."""
+    """A route answered with an error status (400 or more).
 
-    def __init__(self, route: str, status: int, message: str, body: Any = None):
-        self.route, self.status, self.message, self.body = route, status, message, body
-        hint = ""
+    Args:
+        route: the path, e.g. ``/update_weights``.
+        status: the HTTP status.
+        message: vLLM's text (from ``{"error": {"message": ...}}``,
+            ``{"detail": ...}`` or ``{"error": ...}``); redacted.
+        body: the decoded body (JSON, or text); strings in it redacted.
+        where: method and URL, e.g. ``POST http://h:8000/update_weights``;
+            the route when not given.
+    """
+
+    def __init__(self, route: str, status: int, message: str, body: Any = None,
+                 where: str | None = None):
+        self.route, self.status, self.where = route, status, where or route
+        self.message = _quote(message)
+        self.body = redact(body) if isinstance(body, str) else body
         if status == 404:
-            hint = (" (404: the server runs without VLLM_SERVER_DEV_MODE=1 or without "
-                    "--weight-transfer-config '{\"backend\":\"nccl\"}')")
-        super().__init__(f"{route} -> HTTP {status}: {message}{hint}")
+            fix = ("the server runs without VLLM_SERVER_DEV_MODE=1 or without "
+                   "--weight-transfer-config '{\"backend\":\"nccl\"}': restart it with both")
+        elif status >= 500:
+            fix = "the server failed: its log says why"
+        else:
+            fix = "the server refused the request"
+        super().__init__(f"{self.where} -> HTTP {status}: {self.message} ({fix})")
 
-    def __reduce__(self):
-        return type(self), (self.route, self.status, self.message, self.body)
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.route, self.status, self.message, self.body, self.where)
 
 
 class VLLMConnectionError(RendezvousError, ConnectionError):
-    """The server could not be reached or did not answer in time."""
+    """The server could not be reached, or the connection failed mid-call.
+
+    Args:
+        message: what happened and what to do; redacted.
+        route: the path of the call, if any.
+    """
+
+    def __init__(self, message: str, route: str | None = None):
+        super().__init__(redact(message))
+        self.route = route
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.route)
 
 
-def _error_message(resp: httpx.Response) -> tuple[str, Any]:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip() or resp.reason_phrase, resp.text
+class VLLMTimeout(VLLMConnectionError, TimeoutError):
+    """The whole call did not complete within its deadline: the server may be
+    stuck (its workers inside NCCL, say) or the deadline too short."""
+
+
+class VLLMProtocolError(RendezvousError):
+    """The server answered something vLLM's router never does: not valid
+    HTTP/1.1, a 1xx or 3xx status (redirects are never followed), no body, a
+    body that is not JSON or not of the route's shape, a body over the
+    client's limit, or an unsupported Content-Encoding.
+
+    Args:
+        message: what came back and what to do; redacted.
+        route: the path of the call.
+    """
+
+    def __init__(self, message: str, route: str):
+        super().__init__(redact(message))
+        self.route = route
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.route)
+
+
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as a timeout: a positive finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _message_of(body: Any) -> str:
+    """vLLM's error text out of an error body (already redacted)."""
     if isinstance(body, dict):
         err = body.get("error", body.get("detail"))
         if isinstance(err, dict) and "message" in err:
-            return str(err["message"]), body
+            return str(err["message"])
         if err is not None:
-            return str(err), body
-    return str(body), body
+            return str(err)
+    return str(body) if body != "" else "(no body)"
 
 
-def in_background(fn: Callable[..., T], *args: Any, name: str = "vllm-http") -> Future[T]:
-    """Run ``fn`` on a kept daemon thread and return its future.
+def _check_final(resp: httpcore.Response, where: str, route: str) -> None:
+    """Refuse a 1xx or 3xx final status: redirects are never followed."""
+    if resp.status < 200:
+        raise VLLMProtocolError(f"{where} answered HTTP {resp.status}, an interim status, "
+                                f"as its final answer; {_NOT_VLLM}", route)
+    if 300 <= resp.status < 400:
+        to = _quote(_header(resp.headers, b"location")) or "nowhere"
+        raise VLLMProtocolError(
+            f"{where} answered HTTP {resp.status}, a redirect to {to}, which is never "
+            "followed (it would resend the unique id elsewhere): give the client the "
+            "server's own URL", route)
 
-    Daemon, unlike an executor's worker: an HTTP call whose server is stuck in
-    an NCCL call must not keep the interpreter from exiting. Kept: starting a
-    thread per call costs the caller a wait for it (see ``nccl_cffi.threads``).
-    """
-    fut: Future[T] = Future()
 
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
+    """Every value of header ``name``, joined by commas ('' if absent)."""
+    return ",".join(v.decode("latin-1").strip() for k, v in headers if k.lower() == name)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every wait ends by its backend's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend):
+        self._inner, self._backend = inner, backend
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        data = self._inner.read(max_bytes, self._backend.cap(timeout, httpcore.ReadTimeout))
+        if not data:
+            self._backend.peer_closed = True
+        return data
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        # httpcore's own loop gives each send the whole timeout again; here
+        # each send gets what is left (Python's SSL send keeps it as one deadline).
+        sock, view = self._inner.get_extra_info("socket"), memoryview(buffer)
         try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # delivered to the waiter
-            fut.set_exception(e)
+            while view:
+                sock.settimeout(self._backend.cap(timeout, httpcore.WriteTimeout))
+                view = view[sock.send(view):]
+        except TimeoutError as e:
+            raise httpcore.WriteTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.WriteError(str(e)) from e
 
-    run_in_thread(run, name)
-    return fut
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        tls = self._inner.start_tls(ssl_context, server_hostname,
+                                    self._backend.cap(timeout, httpcore.ConnectTimeout))
+        return _DeadlineStream(tls, self._backend)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's blocking sockets, each wait capped at the time left before
+    the calling thread's deadline (set by ``deadline``); once it has passed,
+    the wait raises httpcore's timeout at once. A pool's kept connections
+    serve any thread, so the deadline is the caller's, not the connection's;
+    so is ``peer_closed``: whether the server closed a connection during
+    the caller's call (which tells a dropped connection from a malformed
+    answer)."""
+
+    def __init__(self) -> None:
+        self._sockets = httpcore.SyncBackend()
+        self._local = threading.local()
+
+    @property
+    def peer_closed(self) -> bool:
+        return getattr(self._local, "peer_closed", False)
+
+    @peer_closed.setter
+    def peer_closed(self, value: bool) -> None:
+        self._local.peer_closed = value
+
+    @contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        self._local.deadline, self.peer_closed = Deadline(seconds), False
+        try:
+            yield
+        finally:
+            self._local.deadline = None
+
+    def cap(self, timeout: float | None, expired: type[Exception]) -> float | None:
+        deadline: Deadline | None = getattr(self._local, "deadline", None)
+        left = deadline.cap(timeout) if deadline is not None else timeout
+        if left is not None and left <= 0:
+            raise expired("the call's deadline passed")
+        return left
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        stream = self._sockets.connect_tcp(host, port, self.cap(timeout, httpcore.ConnectTimeout),
+                                           local_address, socket_options)
+        return _DeadlineStream(stream, self)
 
 
 class VLLMClient:
-    """vLLM's RL control plane at ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+    """vLLM's RL control plane at ``base_url`` (e.g. ``http://127.0.0.1:8000``).
+
+    Connections are kept alive between calls; the client is safe to share
+    between threads. Every call is bounded by one deadline (see the module
+    docstring), and answers only vLLM's shapes.
+
+    Args:
+        base_url: ``http://`` or ``https://`` host and port (a path prefix
+            is kept).
+        connect_timeout: seconds to open a connection at most (within the
+            call's deadline).
+        timeout: the deadline of a call whose route has no longer default.
+        transfer_timeout: the deadline of the calls that wait on the
+            workers' collectives or requests: init, update, finish, pause
+            and the weight checker.
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        headers: extra headers for every call (they override the defaults).
+        max_body_bytes: the largest answer read, as sent and once inflated.
+
+    Raises:
+        ValueError: a timeout that is not a positive finite number, a
+            ``max_body_bytes`` below 1, or a URL that is not http(s).
+    """
 
     def __init__(self, base_url: str, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
-                 api_key: str | None = None, headers: dict[str, str] | None = None):
+                 timeout: float = DEFAULT_TIMEOUT, transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+                 api_key: str | None = None, headers: dict[str, str] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.base_url = base_url.rstrip("/")
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.transfer_timeout = transfer_timeout
-        hdrs = dict(headers or {})
-        if api_key:
-            hdrs["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.Client(base_url=self.base_url, headers=hdrs,
-                                  timeout=self._timeout(read_timeout))
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"base_url must be http://HOST:PORT or https://..., got {base_url!r}")
+        self.connect_timeout = _seconds("connect_timeout", connect_timeout)
+        self.timeout = _seconds("timeout", timeout)
+        self.transfer_timeout = _seconds("transfer_timeout", transfer_timeout)
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+                or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+        self.max_body_bytes = max_body_bytes
+        self._headers = self._merge_headers(api_key, headers or {})
+        self._backend = _DeadlineBackend()
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(), max_connections=100,
+            max_keepalive_connections=20, keepalive_expiry=5.0, network_backend=self._backend)
+        self._closed = False
 
-    def _timeout(self, read: float | None) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect_timeout, read=read, write=60.0, pool=60.0)
+    @staticmethod
+    def _merge_headers(api_key: str | None, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+        merged = {"user-agent": ("User-Agent", "jax-vllm-nccl"),
+                  "accept": ("Accept", "application/json"),
+                  "accept-encoding": ("Accept-Encoding", "identity")}
+        merged.update({k.lower(): (k, v) for k, v in extra.items()})
+        if api_key:
+            merged["authorization"] = ("Authorization", f"Bearer {api_key}")
+        return [(k.encode("ascii"), v.encode("ascii")) for k, v in merged.values()]
 
     def close(self) -> None:
-        self._http.close()
+        """Close the kept connections; later calls raise. Closing twice is fine."""
+        self._closed = True
+        self._pool.close()
 
     def __enter__(self) -> VLLMClient:
         return self
@@ -112,75 +331,359 @@ class VLLMClient:
     def __repr__(self) -> str:
         return f"VLLMClient({self.base_url!r})"
 
+    # -- one call --------------------------------------------------------
     def request(self, method: str, route: str, *, json: Any = None,
-                params: dict[str, Any] | None = None, read_timeout: float | None = None) -> Any:
-        """One call; returns the decoded JSON answer or raises ``VLLMHTTPError``."""
-        timeout = self._timeout(read_timeout if read_timeout is not None else self.read_timeout)
+                params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """One call, bounded as a whole by ``timeout``.
+
+        Args:
+            method: ``GET`` or ``POST``.
+            route: the path, e.g. ``/update_weights``.
+            json: the body, sent as JSON (none when None).
+            params: the query parameters.
+            timeout: the deadline in seconds for the whole call (connect,
+                send, headers, body); ``self.timeout`` when None.
+
+        Returns:
+            The decoded JSON object.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive finite number.
+            RuntimeError: the client is closed.
+            VLLMHTTPError: the server answered 400 or more.
+            VLLMTimeout: the call did not complete by its deadline.
+            VLLMConnectionError: the server could not be reached, or the
+                connection failed.
+            VLLMProtocolError: the answer is not a JSON object vLLM would send.
+        """
+        seconds = self.timeout if timeout is None else _seconds("timeout", timeout)
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        where = f"{method} {self.base_url}{route}"
+        url = self.base_url + route + (f"?{urlencode(params)}" if params else "")
+        with self._backend.deadline(seconds):
+            status, headers, raw = self._exchange(method, url, json, seconds, where, route)
+        return self._answer(status, headers, raw, where, route)
+
+    def _exchange(self, method: str, url: str, json: Any, seconds: float, where: str,
+                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Send, and read the status, headers and bounded raw body."""
+        headers, content = list(self._headers), None
+        if json is not None:
+            content = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
+                                    allow_nan=False).encode()
+            headers.append((b"Content-Type", b"application/json"))
+        elif method.upper() != "GET":
+            content = b""  # Content-Length: 0, which some proxies insist on
+        limits = {"connect": min(self.connect_timeout, seconds), "read": seconds,
+                  "write": seconds, "pool": seconds}
         try:
-            resp = self._http.request(method, route, json=json, params=params, timeout=timeout)
-        except httpx.TimeoutException as e:
+            with self._pool.stream(method, url, headers=headers, content=content,
+                                   extensions={"timeout": limits}) as resp:
+                _check_final(resp, where, route)
+                return resp.status, resp.headers, self._read_body(resp, where, route)
+        except httpcore.TimeoutException:
+            raise VLLMTimeout(
+                f"{where}: no answer within the timeout of {seconds:g} s for the whole call; the "
+                "server may be stuck (e.g. its workers inside an NCCL call whose peer left, "
+                "where vLLM sets no deadline): check its log and restart it, or give the call "
+                "a longer timeout", route) from None
+        except httpcore.RemoteProtocolError as e:
+            if not self._backend.peer_closed:
+                raise VLLMProtocolError(
+                    f"{where} answered something that is not valid HTTP/1.1 ({_quote(str(e))}); "
+                    f"{_NOT_VLLM}", route) from None
             raise VLLMConnectionError(
-                f"{method} {self.base_url}{route}: no answer within the timeout "
-                f"({type(e).__name__}); the server may be stuck in NCCL") from e
-        except httpx.TransportError as e:
-            raise VLLMConnectionError(f"{method} {self.base_url}{route}: {e}") from e
-        if resp.status_code >= 400:
-            message, body = _error_message(resp)
-            raise VLLMHTTPError(route, resp.status_code, message, body)
-        if not resp.content:
-            return None
+                f"{where}: the server closed the connection before its answer was complete; "
+                "check that it is up (its log says why it closed)", route) from None
+        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
+                httpcore.ProxyError) as e:
+            raise VLLMConnectionError(
+                f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
+                "check the URL and that the server is up", route) from None
+
+    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytes:
+        """The raw body, refused past ``max_body_bytes``."""
+        body = bytearray()
+        for chunk in resp.iter_stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise self._too_big(where, route, resp.status, "as sent")
+        return bytes(body)
+
+    def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
+        return VLLMProtocolError(
+            f"{where} answered HTTP {status} with a body over {self.max_body_bytes} bytes "
+            f"({how}); vLLM's answers are small JSON objects, so check the URL (or raise "
+            "max_body_bytes if this server's answers are that large)", route)
+
+    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes,
+                 where: str, route: str) -> bytes:
+        """The body decoded per its Content-Encoding, bounded like the raw body."""
+        encoding = _header(headers, b"content-encoding").lower()
+        if encoding in ("", "identity"):
+            return raw
+        if encoding not in ("gzip", "x-gzip", "deflate"):
+            raise VLLMProtocolError(
+                f"{where} answered with Content-Encoding {_quote(encoding)!r} although asked "
+                "for none; only gzip and deflate are decoded: check any proxy in between", route)
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # a zlib or gzip header
         try:
-            return resp.json()
-        except ValueError:
-            return resp.text
+            out = inflater.decompress(raw, self.max_body_bytes + 1)
+        except zlib.error:
+            out = None
+        if out is not None and len(out) > self.max_body_bytes:
+            raise self._too_big(where, route, status, f"once {encoding} was inflated")
+        if out is None or not inflater.eof or inflater.unused_data:
+            raise VLLMProtocolError(f"{where} answered a body that is not valid {encoding}; "
+                                    f"{_NOT_VLLM}", route)
+        return out
+
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, where: str,
+                route: str) -> Any:
+        """The decoded JSON object of a final answer, or the error it stands for."""
+        raw = self._inflate(status, headers, raw, where, route)
+        if status >= 400:
+            body = _redacted_json(raw)
+            raise VLLMHTTPError(route, status, _message_of(body), body, where)
+        if not raw:
+            raise VLLMProtocolError(f"{where} answered HTTP {status} with no body; {_NOT_VLLM}",
+                                    route)
+        try:
+            answer = jsonlib.loads(raw)
+        except (ValueError, RecursionError):
+            answer = None
+        if not isinstance(answer, dict):
+            raise VLLMProtocolError(
+                f"{where} answered HTTP {status} with {_quote(raw.decode('utf-8', 'replace'))!r}, "
+                f"not a JSON object; {_NOT_VLLM}", route)
+        return answer
+
+    def _long(self, timeout: float | None) -> float:
+        """A transfer route's deadline: ``timeout``, else ``transfer_timeout``."""
+        return self.transfer_timeout if timeout is None else timeout
+
+    def _field(self, method: str, route: str, answer: dict[str, Any], key: str,
+               valid: Callable[[Any], bool], want: str) -> Any:
+        """``answer[key]`` once ``valid``; else the answer is refused."""
+        if key not in answer or not valid(answer[key]):
+            shown = _quote(repr(answer[key])) if key in answer else "missing"
+            raise VLLMProtocolError(
+                f"{method} {self.base_url}{route} answered {key}: {shown}, where vLLM sends "
+                f"{want}; check that the URL is a vLLM server", route)
+        return answer[key]
 
     # -- routes (PROTOCOL.md section 3) ---------------------------------
-    def get_world_size(self, include_dp: bool = True) -> int:
-        ans = self.request("GET", "/get_world_size",
-                           params=None if include_dp else {"include_dp": "false"})
-        return int(ans["world_size"])
+    def get_world_size(self, include_dp: bool = True, *, timeout: float | None = None) -> int:
+        """``GET /get_world_size``: how many workers would join the group.
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any],
-                                    read_timeout: float | None = None) -> Any:
+        Answered by vLLM's API process from its config (not by the engine).
+
+        Args:
+            include_dp: count the data-parallel replicas too (TP * PP * DP).
+            timeout: the call's deadline in seconds; ``self.timeout`` when None.
+
+        Returns:
+            The worker count, >= 0.
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        answer = self.request("GET", "/get_world_size", timeout=timeout,
+                              params=None if include_dp else {"include_dp": "false"})
+        return self._field("GET", "/get_world_size", answer, "world_size",
+                           lambda v: type(v) is int and v >= 0, "a whole number >= 0")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], *,
+                                    timeout: float | None = None) -> Any:
+        """``POST /init_weight_transfer_engine``: the workers join the group.
+
+        Args:
+            init_info: ``InitInfo.to_payload()``.
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
         return self.request("POST", "/init_weight_transfer_engine", json={"init_info": init_info},
-                            read_timeout=read_timeout or self.transfer_timeout)
+                            timeout=self._long(timeout))
 
-    def start_weight_update(self) -> Any:
-        return self.request("POST", "/start_weight_update", read_timeout=self.transfer_timeout)
+    def start_weight_update(self, *, timeout: float | None = None) -> Any:
+        """``POST /start_weight_update``: open an update session.
 
-    def update_weights(self, update_info: dict[str, Any],
-                       read_timeout: float | None = None) -> Any:
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        return self.request("POST", "/start_weight_update", timeout=timeout)
+
+    def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> Any:
+        """``POST /update_weights``: answered once every tensor arrived.
+
+        Args:
+            update_info: ``UpdateInfo.to_payload()`` (or the sparse one).
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
         return self.request("POST", "/update_weights", json={"update_info": update_info},
-                            read_timeout=read_timeout or self.transfer_timeout)
+                            timeout=self._long(timeout))
 
-    def finish_weight_update(self, weight_version: str | None = None) -> Any:
+    def finish_weight_update(self, weight_version: str | None = None, *,
+                             timeout: float | None = None) -> Any:
+        """``POST /finish_weight_update``: close the session, naming the version.
+
+        Args:
+            weight_version: the new weights' version (left unchanged when None).
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
         body = None if weight_version is None else {"weight_version": weight_version}
         return self.request("POST", "/finish_weight_update", json=body,
-                            read_timeout=self.transfer_timeout)
+                            timeout=self._long(timeout))
 
-    def shutdown_weight_transfer_engine(self) -> Any:
-        return self.request("POST", "/shutdown_weight_transfer_engine")
+    def shutdown_weight_transfer_engine(self, *, timeout: float | None = None) -> Any:
+        """``POST /shutdown_weight_transfer_engine``: the workers leave the group.
 
-    def pause(self, mode: str = "abort") -> Any:
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        return self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout)
+
+    def pause(self, mode: str = "abort", *, timeout: float | None = None) -> Any:
+        """``POST /pause``: stop generation for an update.
+
+        Args:
+            mode: ``abort`` in-flight requests, ``wait`` for them (which may
+                take long), or ``keep`` them queued.
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            vLLM's answer (a JSON object).
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"mode must be abort, wait or keep, got {mode!r}")
         return self.request("POST", "/pause", params={"mode": mode},
-                            read_timeout=self.transfer_timeout)
+                            timeout=self._long(timeout))
 
-    def resume(self) -> Any:
-        return self.request("POST", "/resume")
+    def resume(self, *, timeout: float | None = None) -> Any:
+        """``POST /resume``: generation goes on.
 
-    def is_paused(self) -> bool:
-        return bool(self.request("GET", "/is_paused")["is_paused"])
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
 
-    def weight_info(self) -> dict[str, Any]:
-        return self.request("GET", "/weight_info")
+        Returns:
+            vLLM's answer (a JSON object).
 
-    def weight_checker(self, action: str, baseline: dict[str, str] | None = None) -> Any:
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        return self.request("POST", "/resume", timeout=timeout)
+
+    def is_paused(self, *, timeout: float | None = None) -> bool:
+        """``GET /is_paused``, which vLLM's engine core answers (not the API
+        process): a stuck engine does not answer it.
+
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
+
+        Returns:
+            Whether generation is paused.
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        answer = self.request("GET", "/is_paused", timeout=timeout)
+        return self._field("GET", "/is_paused", answer, "is_paused",
+                           lambda v: isinstance(v, bool), "true or false")
+
+    def weight_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``GET /weight_info``: the weights' version, from the engine core.
+
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
+
+        Returns:
+            ``{"weight_version": str}``.
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        answer = self.request("GET", "/weight_info", timeout=timeout)
+        self._field("GET", "/weight_info", answer, "weight_version",
+                    lambda v: isinstance(v, str), "a string")
+        return answer
+
+    def weight_checker(self, action: str, baseline: dict[str, str] | None = None, *,
+                       timeout: float | None = None) -> Any:
+        """``POST /weight_checker``: checksum, reset, or compare the weights.
+
+        Args:
+            action: ``checksum``, ``reset`` or ``compare``.
+            baseline: for ``compare``: the expected checksum of each name.
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            ``{"checksums": {name: sha256}}`` for ``checksum``, ``{"match":
+            bool, "mismatches": [name, ...]}`` for ``compare``, vLLM's
+            answer for ``reset``.
+
+        Raises:
+            ValueError: an unknown ``action``.
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
         if action not in ("checksum", "reset", "compare"):
             raise ValueError(f"action must be checksum, reset or compare, got {action!r}")
         body: dict[str, Any] = {"action": action}
         if baseline is not None:
             body["baseline"] = baseline
-        return self.request("POST", "/weight_checker", json=body,
-                            read_timeout=self.transfer_timeout)
+        answer = self.request("POST", "/weight_checker", json=body,
+                              timeout=self._long(timeout))
+        check = partial(self._field, "POST", "/weight_checker", answer)
+        if action == "checksum":
+            check("checksums", lambda v: isinstance(v, dict) and all(
+                isinstance(k, str) and isinstance(s, str) for k, s in v.items()),
+                "an object of strings")
+        elif action == "compare":
+            check("match", lambda v: isinstance(v, bool), "true or false")
+            check("mismatches", lambda v: isinstance(v, list) and all(
+                isinstance(s, str) for s in v), "a list of names")
+        return answer

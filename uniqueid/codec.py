@@ -19,6 +19,9 @@ UNIQUE_ID_BYTES = 128
 B64_LENGTH = 172  # 4 * ceil(128 / 3), ending in one "="
 
 _STD_ALPHABET = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+# 64 or more characters of either base64 alphabet (JSON may write "/" as "\/"),
+# then any padding: far shorter than an id's 172, far longer than a word.
+_SECRET_LIKE = re.compile(r"(?:[A-Za-z0-9+/_-]|\\/){64,}={0,2}")
 
 
 class UniqueIdError(RendezvousError, ValueError):
@@ -80,6 +83,23 @@ class UniqueId:
 
     def __str__(self) -> str:
         return "UniqueId(<128 bytes, hidden>)"
+
+
+def redact(text: str) -> str:
+    """``text`` with anything that may be a unique id replaced by ``<redacted>``.
+
+    For text that may quote a request (a server's error, a log line): every
+    run of 64 or more base64 or base64url characters, with its ``=``
+    padding, counting JSON's ``\\/`` escape as one ``/``. An id is 172 such
+    characters; SHA-256 hex digests and other long tokens go too.
+
+    Args:
+        text: any text.
+
+    Returns:
+        ``text`` with each such run replaced.
+    """
+    return _SECRET_LIKE.sub("<redacted>", text)
 
 
 def check_rendezvous_mode(*, nccl_unique_id_b64: str | None, master_address: str | None,

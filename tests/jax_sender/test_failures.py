@@ -16,16 +16,17 @@ from jax_sender import (
     MetadataError,
     PushCancelled,
     SendConfig,
-    SendError,
     SenderClosed,
+    SendError,
     SparseSender,
     TransferError,
     UpdateIncomplete,
 )
 from jax_sender._src.naming import Mapping
+from uniqueid import ServerStuck
+
 from support.memory_link import memory_sender
 from support.pushes import SMALL, calls, comm, expected, held, params, pushed, slow_step
-from uniqueid import ServerStuck
 
 SESSION = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 
@@ -198,14 +199,22 @@ def test_close_cancels_a_push_still_waiting_for_its_arrays():
     jax.block_until_ready(tree)  # XLA's work must not outlive the interpreter
 
 
-def interrupt_after(seconds: float, times: int = 1) -> None:
-    for i in range(times):
-        threading.Timer(seconds + 0.15 * i, os.kill, (os.getpid(), signal.SIGINT)).start()
+def interrupt_once_sent(caster, times: int = 1) -> None:
+    """SIGINT to this process ``times`` times, 0.15 s apart, once the push's
+    first broadcast went out (a Ctrl-C before anything is sent just raises)."""
+    def fire() -> None:
+        deadline = time.monotonic() + 20
+        while not caster.sent and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.15)
+    threading.Thread(target=fire, daemon=True).start()
 
 
 def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
-    interrupt_after(0.1)
+    interrupt_once_sent(caster)
     with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
         sender.send(params(1))
     assert held(server) == expected(params(1)) and pushed(server) == SESSION
@@ -218,12 +227,12 @@ def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
 
 def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
     monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
-    sender, (server,), _ = memory_sender(SMALL, delay_s=0.3)
-    interrupt_after(0.1, times=2)
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
+    interrupt_once_sent(caster, times=2)
     t = time.monotonic()
     with pytest.raises(KeyboardInterrupt, match="second Ctrl-C aborted"):
         sender.send(params(1))
-    assert time.monotonic() - t < 2.5
+    assert time.monotonic() - t < 0.3 + 0.15 + 2.0 + 1.0  # the lane's grace and a margin
     assert comm(sender).aborted and "Ctrl-C" in sender.broken
     sender.reconnect()  # waits for the server to give its update up
     sender.send(params(2))
@@ -231,9 +240,9 @@ def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
 
 
 def test_a_first_ctrl_c_while_waiting_on_an_asynchronous_push_lets_it_end():
-    sender, (server,), _ = memory_sender(SMALL, delay_s=0.2)
+    sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
     pending = sender.send(params(1), wait=False)
-    interrupt_after(0.1)
+    interrupt_once_sent(caster)
     with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
         pending.result(timeout=20)
     assert pending.done() and pending.result().tensors == 5 and not sender.broken
@@ -314,7 +323,7 @@ def test_an_nccl_call_that_never_returns_is_abandoned_not_freed(monkeypatch):
     assert time.monotonic() - t < 1.5
     assert sender.broken and not stuck_comm.aborted
     assert [lane.busy for lane in sender.session._orphans] == [True]
-    sender.reconnect()  # once the server gave its update up (no bytes came)  # the old communicator is left to its stuck call
+    sender.reconnect()  # the old communicator is left to its stuck call
     assert not stuck_comm.aborted and not stuck_comm.destroyed
     assert not sender.broken and comm(sender) is not stuck_comm
     release.set()

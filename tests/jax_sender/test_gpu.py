@@ -4,7 +4,6 @@ GPU 0 is the trainer; receivers take GPUs 1..3. Every child has a timeout
 and every server is killed with its process group, so a failure never hangs.
 """
 
-import pathlib
 import subprocess
 import sys
 
@@ -19,8 +18,9 @@ from jax_sender.testing.harness import (
     run_all,
     vllm_available,
 )
-from support import ROOT, child
 from uniqueid import UniqueId
+
+from support import ROOT, child
 
 pytestmark = pytest.mark.gpu
 
@@ -195,3 +195,23 @@ def test_sparse_into_vllms_sparse_engine(tmp_path):
             print(run("sparse", url, timeout=240))
     finally:
         print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
+
+
+# -- the server outlives the trainer's mistakes (vLLM 0.33.0's real engine) ----
+
+RECOVERY = ["wrong_device", "bad_version", "transform packed", "transform unpacked",
+            "not_ready", "threads", "ctrl_c", "ctrl_c_twice", "open_session"]
+
+
+@pytest.mark.parametrize("case", RECOVERY)
+def test_the_server_outlives_the_trainers_mistakes(vllm_server, case):
+    """Each trainer-side failure ends within its deadline, and the same vLLM
+    server process then takes a fresh connect and a bit-exact push, with no
+    restart (``gpu_scenarios.recovery``)."""
+    url, log = vllm_server
+    out = run("recovery", url, *case.split(), timeout=400)
+    if case == "wrong_device":  # no init reached the server but the fresh connect's
+        import json
+        paths = [json.loads(line)["path"] for line in log.read_text().splitlines()]
+        assert paths.count("/init_weight_transfer_engine") == 1, paths
+    print(out)

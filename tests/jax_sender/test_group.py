@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jax_sender import MetadataError, TensorMeta
 from jax_sender._src.turns import BroadcastPlan, broadcast_plan, turn_updates
 from jax_sender.testing.harness import free_port, run_all
+
 from support import ROOT, child
 
 

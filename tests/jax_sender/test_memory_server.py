@@ -19,6 +19,7 @@ import httpx
 import ml_dtypes
 import numpy as np
 import pytest
+
 from support.memory_server import MemoryServer, cut_chunks
 
 UID = base64.b64encode(bytes(range(128))).decode()

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.memory_link import memory_sender
 
 from jax_sender import (
     LLAMA,
@@ -21,8 +20,10 @@ from jax_sender import (
     named_arrays,
     plan_chunks,
 )
-from jax_sender.demo.model import Config, init_params
 from jax_sender._src.plan import WIRE_DTYPES, check_against, check_unique, wire_order
+from jax_sender.demo.model import Config, init_params
+
+from support.memory_link import memory_sender
 
 ITEMSIZE = {"int8": 1, "uint8": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4,
             "float64": 8, "bfloat16": 2, "float8_e4m3fn": 1}

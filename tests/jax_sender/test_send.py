@@ -14,6 +14,7 @@ import pytest
 
 from jax_sender import LoadPlan, MetadataError, PendingSend, SendConfig, TensorMeta, describe
 from jax_sender._src.naming import Mapping
+
 from support.memory_link import memory_sender
 from support.pushes import (
     SMALL,

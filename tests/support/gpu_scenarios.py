@@ -181,7 +181,7 @@ def send(url: str, mode: str, ranks: str, repeat: str = "1") -> None:
     n = int(ranks)
     sender = WeightSender.connect(url, config=SendConfig(packed=packed,
                                                          buffer_size_bytes=1 << 20))
-    client = sender.clients[0]
+    client = sender.session.clients[0]
     dev = jax.devices()[0]
     base = dev.memory_stats()["bytes_in_use"]
     peaks = []
@@ -241,7 +241,7 @@ def async_donation(url: str) -> None:
             assert all(a.is_deleted() for _, a in pairs if a.size)
             jax.block_until_ready(arrays)
             stats = pending if wait else pending.result(timeout=120)
-            ans = sender.clients[0].weight_checker("compare", baseline=want)
+            ans = sender.session.clients[0].weight_checker("compare", baseline=want)
             assert ans["match"], (transform.__name__, i, ans["mismatches"][:5])
             del pairs, arrays
         sender.close()
@@ -292,7 +292,7 @@ def _expect_send_error(sender, pairs, limit: float) -> tuple[float, str]:
     else:
         raise AssertionError("the send did not fail")
     assert took < limit, (took, msg)
-    assert sender.broken and sender.connection.comm._handle is None, sender.broken
+    assert sender.broken and sender.session.connection.comm.state != "open", sender.broken
     return took, msg
 
 
@@ -347,9 +347,9 @@ def load_fails(mode: str) -> None:
         recovered = time.monotonic() - t
         stats = sender.send(pairs, weight_version="after")
         assert not stats.reused_metadata
-        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        ans = sender.session.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
         assert ans["match"], ans["mismatches"][:5]
-        assert sender.clients[0].weight_info()["weight_version"] == "after"
+        assert sender.session.clients[0].weight_info()["weight_version"] == "after"
         sender.close()
     print(f"OK {mode}: failed after {took:.2f}s ({msg[:160]}); reconnect {recovered:.2f}s; "
           f"next push bit-exact")
@@ -370,7 +370,7 @@ def refused(mode: str) -> None:
         assert "injected refusal" in msg, msg
         sender.reconnect()
         sender.send(pairs, weight_version="after")
-        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        ans = sender.session.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
         assert ans["match"], ans["mismatches"][:5]
         sender.close()
     print(f"OK {mode}: update refused before any collective, SendError after {took:.2f}s "
@@ -378,7 +378,9 @@ def refused(mode: str) -> None:
 
 
 def interrupted(mode: str) -> None:
-    """Ctrl-C (SIGINT) while the sender waits on a stalled receiver."""
+    """Two Ctrl-Cs (SIGINT) while the sender waits on a stalled receiver: the
+    first would let the push end (it cannot: the receiver sleeps), the
+    second aborts at once."""
     import signal
 
     from jax_sender import SendConfig, WeightSender
@@ -387,22 +389,269 @@ def interrupted(mode: str) -> None:
         sender = WeightSender.connect(url, config=SendConfig(packed=mode == "packed",
                                                              buffer_size_bytes=1 << 20))
         pairs = _test_tensors(0)
-        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        for at in (2.0, 2.5):
+            threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()
         t = time.monotonic()
         try:
             sender.send(pairs)
-        except KeyboardInterrupt:
-            took = time.monotonic() - t
+        except KeyboardInterrupt as e:
+            took, msg = time.monotonic() - t, str(e)
         else:
-            raise AssertionError("send returned through a Ctrl-C")
-        assert took < 2.0 + 1.0, took
-        assert "KeyboardInterrupt" in sender.broken, sender.broken
-        assert sender.connection.comm._handle is None
+            raise AssertionError("send returned through two Ctrl-Cs")
+        assert took < 2.5 + 1.0, took
+        assert "second Ctrl-C" in msg and "Ctrl-C" in sender.broken, (msg, sender.broken)
+        assert sender.session.connection.comm.state != "open"
         sender.close()
     left = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
     assert not left, left
-    print(f"OK {mode}: Ctrl-C at 2.0s, KeyboardInterrupt out of send() after {took:.2f}s, "
-          "communicator aborted, no non-daemon thread left")
+    print(f"OK {mode}: Ctrl-C at 2.0s and 2.5s, KeyboardInterrupt out of send() after "
+          f"{took:.2f}s, communicator aborted, no non-daemon thread left")
+
+
+# -- trainer-side failures against vLLM 0.33.0's real engine -------------------
+# Each fails the way a user would, checks the error and its time, then shows
+# the same server process taking a fresh connect and a bit-exact push.
+
+def _fresh_push(url: str, seed: int) -> str:
+    """A new sender on ``url``: a push, checked by ``verify``; closed."""
+    from jax_sender import SendConfig, WeightSender
+    with WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20,
+                                                     init_timeout_s=60)) as fresh:
+        pairs = _test_tensors(seed)
+        fresh.send(pairs, weight_version=f"fresh-{seed}")
+        check = fresh.verify(pairs)
+        assert check.ok and len(check.matched) == len(pairs), check
+    return f"fresh connect + bit-exact push of {len(pairs)} tensors"
+
+
+def _verified(sender, pairs) -> None:
+    check = sender.verify(pairs)
+    assert check.ok and len(check.matched) == len(pairs), check
+
+
+def _fails_once(victim: str, at: int):
+    """A transform that raises the ``at``-th time it meets ``victim`` as a real
+    array (not while traced): a trainer-side failure after the push started."""
+    import jax
+    seen = [0]
+
+    def transform(path, x):
+        if path[-1] == victim and not isinstance(x, jax.core.Tracer):
+            seen[0] += 1
+            if seen[0] == at:
+                raise RuntimeError(f"the transform of {victim} failed")
+        return x
+    return transform
+
+
+def recover_wrong_device(url: str) -> str:
+    """connect(device=7) on a one-GPU host: refused before anything is posted."""
+    from jax_sender import TransferError, WeightSender
+    t = time.monotonic()
+    try:
+        WeightSender.connect(url, device=7)
+    except TransferError as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("connect(device=7) worked")
+    assert took < 10 and "7" in msg and "\n" not in msg, (took, msg)
+    return f"TransferError in {took:.2f}s: {msg}"
+
+
+def recover_bad_version(url: str) -> str:
+    """A weight_version that is not a str: refused before /start_weight_update."""
+    from jax_sender import MetadataError, SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    pairs = _test_tensors(1)
+    try:
+        sender.send(pairs, weight_version=7)
+    except MetadataError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("weight_version=7 was sent")
+    sender.send(pairs, weight_version="7")
+    _verified(sender, pairs)
+    sender.close()
+    return f"MetadataError: {msg}; the same sender's next push bit-exact"
+
+
+def recover_transform(url: str, mode: str) -> str:
+    """A transform raising mid-push: the update is completed and finished on
+    the server; the same sender's next push sends everything and repairs it;
+    reconnect() works too."""
+    from jax_sender import Mapping, SendConfig, UpdateIncomplete, WeightSender
+    from jax_sender._src import packing
+    packing.MAX_TENSORS = 1  # packed: chunks by copies, where the transform runs eagerly
+    config = SendConfig(packed=mode == "packed", buffer_size_bytes=1 << 20)
+    sender = WeightSender.connect(url, config=config,
+                                  mapping=Mapping(transform=_fails_once("a.bf16", at=2)))
+    pairs = _test_tensors(2)
+    sender.send(pairs)
+    t = time.monotonic()
+    try:
+        sender.send(pairs, weight_version="broken")
+    except UpdateIncomplete as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("the failing transform went unnoticed")
+    assert took < 30 and not sender.broken, (took, sender.broken)
+    assert sender.session.clients[0].weight_info()["weight_version"] != "broken"
+    stats = sender.send(pairs)
+    assert not stats.reused_metadata
+    _verified(sender, pairs)
+    sender.reconnect()
+    sender.send(pairs)
+    _verified(sender, pairs)
+    sender.close()
+    return (f"UpdateIncomplete in {took:.2f}s ({msg[:120]}...); the next push repaired it; "
+            "reconnect() and a push")
+
+
+def recover_not_ready(url: str) -> str:
+    """The arrays not computed within send_timeout_s: the session is finished
+    with nothing in it; the same sender pushes them once they are."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sender import SendConfig, SendError, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20,
+                                                         send_timeout_s=1.0))
+    pairs = _test_tensors(3)
+    sender.send(pairs)
+    a = jnp.ones((8192, 8192), jnp.float32)
+    slow = jax.jit(lambda x, a: x + (jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ a), a)
+                                     [0, 0] * 0).astype(x.dtype))
+    slow(pairs[0][1], a).block_until_ready()  # compiled
+    late = [(n, slow(x, a)) for n, x in pairs]
+    t = time.monotonic()
+    try:
+        sender.send(late)
+    except SendError as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("the arrays were ready after all: make the step slower")
+    assert 1.0 <= took < 3.0 and not sender.broken and "before any weights" in msg, (took, msg)
+    jax.block_until_ready(late)
+    assert sender.send(late).reused_metadata
+    _verified(sender, late)
+    sender.close()
+    return f"SendError in {took:.2f}s: {msg[:160]}...; the next push bit-exact"
+
+
+def recover_threads(url: str) -> str:
+    """send() from two threads at once on one sender: they take turns."""
+    from jax_sender import SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    errors: list = []
+
+    def push(seed: int) -> None:
+        try:
+            for _ in range(3):
+                sender.send(_test_tensors(seed))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=(s,)) for s in (4, 5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors and not sender.broken, errors
+    sender.send(_test_tensors(6))
+    _verified(sender, _test_tensors(6))
+    sender.close()
+    return "six pushes from two threads took turns, all ended"
+
+
+def _big(seed: int, gb: float):
+    import jax
+    import jax.numpy as jnp
+    n = int(gb * 1e9 / 2 / 16 / (1 << 20))  # 16 tensors of bfloat16
+    keys = jax.random.split(jax.random.PRNGKey(seed), 16)
+    return [(f"big.{i}", jax.random.normal(k, (n, 1 << 20), jnp.bfloat16)) for i, k in enumerate(keys)]
+
+
+def recover_ctrl_c(url: str) -> str:
+    """Ctrl-C 0.4 s into a 1.6 GB push: the push ends on the server, then
+    KeyboardInterrupt; the sender pushes on, no reconnect."""
+    import signal
+
+    import jax
+
+    from jax_sender import SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=256 << 20))
+    pairs = _big(7, 1.6)
+    jax.block_until_ready(pairs)
+    threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        sender.send(pairs)
+    except KeyboardInterrupt as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("the push ended before the Ctrl-C: make it larger")
+    assert not sender.broken and "ended on the servers first" in msg, (msg, sender.broken)
+    _verified(sender, pairs)
+    del pairs
+    small = _test_tensors(8)
+    sender.send(small)
+    _verified(sender, small)
+    sender.close()
+    return f"KeyboardInterrupt after {took:.2f}s, once the 1.6 GB push had ended bit-exact"
+
+
+def recover_ctrl_c_twice(url: str) -> str:
+    """Two Ctrl-Cs into a 1.6 GB push: aborted at once; reconnect() then
+    either forms a new group or names the server as stuck, within its deadline."""
+    import signal
+
+    import jax
+
+    from jax_sender import SendConfig, WeightSender
+    from uniqueid import ServerStuck
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=256 << 20,
+                                                         reconnect_timeout_s=60))
+    pairs = _big(9, 1.6)
+    jax.block_until_ready(pairs)
+    for at in (0.3, 0.4):
+        threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        sender.send(pairs)
+    except KeyboardInterrupt as e:
+        took, msg = time.monotonic() - t, str(e)
+    assert took < 0.4 + 3.0 and "second Ctrl-C" in msg and sender.broken, (took, msg)
+    t = time.monotonic()
+    try:
+        sender.reconnect()
+        outcome = "reconnect() formed a new group"
+    except ServerStuck as e:
+        outcome = f"reconnect() named the server stuck: {e}"
+    assert time.monotonic() - t < 60 + 5
+    sender.close()
+    return f"KeyboardInterrupt after {took:.2f}s; {outcome}"
+
+
+def recover_open_session(url: str) -> str:
+    """A session left open on the server: reconnect() finishes it first
+    (vLLM refuses to shut down during one)."""
+    from jax_sender import SendConfig, WeightSender
+    sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    sender.session.clients[0].start_weight_update()
+    sender.reconnect()
+    pairs = _test_tensors(10)
+    sender.send(pairs)
+    _verified(sender, pairs)
+    sender.close()
+    return "reconnect() finished the open session and formed a new group; push bit-exact"
+
+
+def recovery(url: str, case: str, *args: str) -> None:
+    """One trainer-side failure against ``url``, then a fresh connect and a
+    bit-exact push to the same server (skipped where a restart is named)."""
+    what = globals()[f"recover_{case}"](url, *args)
+    fresh = "" if "stuck" in what else "; " + _fresh_push(url, 11)
+    print(f"OK {case}: {what}{fresh}")
 
 
 def load_plan(url: str) -> None:
@@ -413,10 +662,10 @@ def load_plan(url: str) -> None:
     pairs = _test_tensors(2)
     sender = WeightSender.connect(url, load_plan=pairs,
                                   config=SendConfig(buffer_size_bytes=1 << 20))
-    assert sender.info.use_load_plan and len(sender.info.metadata) == len(pairs)
+    assert sender.session.info.use_load_plan and len(sender.session.info.metadata) == len(pairs)
     subset = pairs[:4]
     sender.send(subset)
-    ans = sender.clients[0].weight_checker("compare", baseline=_checksums(subset, 1))
+    ans = sender.session.clients[0].weight_checker("compare", baseline=_checksums(subset, 1))
     assert ans["match"], ans["mismatches"][:5]
     try:
         sender.send(pairs[:1] + [("extra", pairs[1][1])])
@@ -425,7 +674,7 @@ def load_plan(url: str) -> None:
     else:
         raise AssertionError("a tensor outside the plan was sent")
     assert not sender.broken  # refused up front: the group is intact
-    client = sender.clients[0]
+    client = sender.session.clients[0]
     client.start_weight_update()
     try:
         client.update_weights(UpdateInfo(["extra"], ["float32"], [[2]]).to_payload())
@@ -453,7 +702,7 @@ def sparse(url: str) -> None:
     from jax_sender._src.sparse import SPARSE_DTYPES
     from nccl_cffi.dtypes import dtype_name
     sender = SparseSender.connect(url)
-    client = sender.clients[0]
+    client = sender.session.clients[0]
     v0 = [(n, a) for n, a in _test_tensors(3) if dtype_name(a.dtype) in SPARSE_DTYPES]
     zeros = [(n, jnp.zeros_like(a)) for n, a in v0]
     first = sender.send(v0, zeros)  # both receivers start from zeros
@@ -496,12 +745,12 @@ def servers(mode: str, *urls: str) -> None:
     from jax_sender import SendConfig, WeightSender
     sender = WeightSender.connect(list(urls), config=SendConfig(packed=mode == "packed",
                                                                 buffer_size_bytes=1 << 20))
-    offsets = [i.rank_offset for i in sender.connection.init_infos]
+    offsets = [i.rank_offset for i in sender.session.connection.init_infos]
     assert offsets == list(range(1, len(urls) + 1)), offsets
     for v in range(2):
         pairs = _test_tensors(10 + v)
         sender.send(pairs, weight_version=f"v{v}")
-        for c in sender.clients:
+        for c in sender.session.clients:
             ans = c.weight_checker("compare", baseline=_checksums(pairs, 1))
             assert ans["match"], (c.base_url, ans["mismatches"][:5])
             assert c.weight_info()["weight_version"] == f"v{v}"
@@ -554,19 +803,19 @@ def group(process: str, nproc: str, port: str, url: str, layout: str, mode: str,
             sender = WeightSender.connect_group(url, pairs, device=0, config=SendConfig(
                 packed=mode == "packed", buffer_size_bytes=1 << 20, init_timeout_s=120))
             expected = tuple(range(len(devices))) if layout == "stages" else (0,)
-            assert sender.group.plan.group == expected, sender.group.plan
-            assert sender.info.rank_offset == len(expected), sender.info
+            assert sender.session.route.group.plan.group == expected, sender.session.route.group.plan
+            assert sender.session.info.rank_offset == len(expected), sender.session.info
         stats = sender.send(pairs, weight_version=f"v{version}")
-        assert stats.reused_metadata == (version == 1) or sender.connection is None, stats
+        assert stats.reused_metadata == (version == 1) or sender.session.connection is None, stats
         if int(process) == 0:
-            client = sender.clients[0]
+            client = sender.session.clients[0]
             ans = client.weight_checker("compare",
                                         baseline=_checksums(sorted(values.items()), int(workers)))
             assert ans["match"], ans["mismatches"][:5]
-    role = ("broadcaster" if sender.connection else "gathers only")
+    role = ("broadcaster" if sender.session.connection else "gathers only")
     sender.close()
     print(f"OK {layout} {mode}: process {process} ({role}), group "
-          f"{sender.group.plan.group}, two versions bit-exact on {workers} workers")
+          f"{sender.session.route.group.plan.group}, two versions bit-exact on {workers} workers")
 
 
 def _rss() -> int:
@@ -600,7 +849,7 @@ def failed_sends(count: str) -> None:
             if i == 0:
                 print(f"after the first: threads, fds, JAX bytes, device free = {seen[0]}")
         sender.send(pairs, weight_version="after")
-        ans = sender.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
+        ans = sender.session.clients[0].weight_checker("compare", baseline=_checksums(pairs, 1))
         assert ans["match"], ans["mismatches"][:5]
         sender.close()
     settled = min(10, n - 1)  # after pools and caches have warmed up
@@ -626,7 +875,7 @@ def many_sends(url: str, mode: str, count: str) -> None:
                   for i, k in enumerate(keys)]
     bump = jax.jit(lambda a, i: a + i.astype(a.dtype))
     dev = jax.devices()[0]
-    client = sender.clients[0]
+    client = sender.session.clients[0]
     mem, rss = [], []
     for i in range(int(count)):
         pairs = [(n, bump(a, jnp.int32(i))) for n, a in base_pairs]

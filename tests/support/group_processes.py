@@ -63,8 +63,9 @@ def main(scenario: str, process: int, port: str) -> None:
         share_from_process_0,
     )
     from jax_sender._src.turns import broadcast_plan, owners_of, turn_updates
-    from support.memory_link import MemoryJoin
     from uniqueid import RendezvousError, RendezvousTimeout, VLLMClient, VLLMConnectionError
+
+    from support.memory_link import MemoryJoin
     devices = sorted(jax.devices(), key=lambda d: d.id)
     mine = [d for d in devices if d.process_index == 1]
 

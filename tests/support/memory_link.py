@@ -25,8 +25,9 @@ from jax_sender import SendConfig, SparseSender, WeightSender
 from jax_sender._src.routes import SingleProcess
 from jax_sender._src.session import Session
 from nccl_cffi import NcclTimeoutError
-from support.memory_server import MemoryServer
 from uniqueid import UniqueId, VLLMClient
+
+from support.memory_server import MemoryServer
 
 
 class MemoryComm:

@@ -1,0 +1,387 @@
+"""The vLLM client against servers that misbehave on purpose (raw sockets on
+loopback, ``support.bad_http``): every call ends by its deadline with a typed
+error that names the route, reads a bounded body, never quotes the unique
+id, and leaves no thread or socket behind."""
+
+import base64
+import math
+import os
+import pickle
+import threading
+import time
+import traceback
+import tracemalloc
+from contextlib import contextmanager
+
+import pytest
+
+from uniqueid import (
+    UniqueId,
+    VLLMClient,
+    VLLMConnectionError,
+    VLLMHTTPError,
+    VLLMProtocolError,
+    VLLMTimeout,
+    redact,
+)
+
+from support.bad_http import (
+    BadServer,
+    echo,
+    endless_body,
+    gzip_answer,
+    gzip_bomb,
+    json_answer,
+    raw_answer,
+    response,
+    silent,
+    trickle_body,
+    trickle_headers,
+)
+
+DEADLINE = 1.5
+MARGIN = 1.0  # a loaded machine's scheduling, on top of the deadline
+MEMORY_CAP = 64 * 2**20
+
+UID = UniqueId(os.urandom(128)).to_b64()
+SECRETS = (UID, UID.replace("/", "\\/"))
+
+
+def init(c: VLLMClient):
+    return c.init_weight_transfer_engine({"nccl_unique_id_b64": UID, "rank_offset": 1,
+                                          "world_size": 2}, timeout=DEADLINE)
+
+
+def world_size(c: VLLMClient):
+    return c.get_world_size(timeout=DEADLINE)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@contextmanager
+def leaves_nothing_behind():
+    """No thread or file descriptor more after the block than before (fewer
+    is fine: another test's server threads may end meanwhile)."""
+    threads, fds = threading.active_count(), open_fds()
+    yield
+    assert threading.active_count() <= threads
+    assert open_fds() <= fds
+
+
+def texts_of(err: BaseException) -> list[str]:
+    """Everything of ``err`` that may reach a log: its text, repr, traceback
+    and body, and the same of its pickled copy."""
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is type(err) and str(copy) == str(err)
+    assert getattr(copy, "route", None) == getattr(err, "route", None)
+    out = []
+    for e in (err, copy):
+        out += [str(e), repr(e), "".join(traceback.format_exception(e)),
+                repr(getattr(e, "body", None)), repr(getattr(e, "message", None))]
+    return out
+
+
+def assert_secret_free(err: BaseException) -> None:
+    for text in texts_of(err):
+        for secret in SECRETS:
+            assert secret not in text
+    # nothing chained that a traceback would print (httpcore's text may quote the server)
+    assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
+
+
+def call_misbehaving(behave, call, error: type[Exception]) -> tuple[Exception, BadServer]:
+    """``call`` against ``behave``: returns the error, checked for its
+    deadline, its memory, its route and its secrets."""
+    with leaves_nothing_behind():
+        with BadServer(behave) as server:
+            client = VLLMClient(server.url, timeout=DEADLINE, transfer_timeout=DEADLINE)
+            tracemalloc.start()
+            start = time.monotonic()
+            try:
+                with pytest.raises(error) as caught:
+                    call(client)
+                took = time.monotonic() - start
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            client.close()
+    err = caught.value
+    assert took < DEADLINE + MARGIN, f"{took:.2f} s"
+    assert peak < MEMORY_CAP, f"{peak >> 20} MiB"
+    method, route = server.requests[0][:2]
+    assert f"{method} {server.url}{route}" in str(err)
+    assert err.route == route
+    assert_secret_free(err)
+    return err, server
+
+
+HTML = [("Content-Type", "text/html")]
+
+
+def not_http(ex) -> bool:
+    """Another service's greeting, then nothing (no end of stream to blame)."""
+    ex.send(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+    return silent(ex)
+
+
+def cut_short(ex) -> bool:
+    """A valid answer less its last bytes, then the connection closed."""
+    ex.send(response(200, b'{"world_size": 2}')[:-5])
+    return False
+TIMEOUTS = {
+    "trickled headers": trickle_headers(),
+    "trickled body": trickle_body(),
+    "no answer": silent,
+}
+
+
+@pytest.mark.parametrize("behave", TIMEOUTS.values(), ids=TIMEOUTS.keys())
+def test_a_stalling_server_ends_by_the_deadline(behave):
+    start = time.monotonic()
+    err, _ = call_misbehaving(behave, init, VLLMTimeout)
+    assert time.monotonic() - start >= DEADLINE * 0.9  # it did wait
+    assert isinstance(err, TimeoutError) and isinstance(err, VLLMConnectionError)
+    assert f"within the timeout of {DEADLINE:g} s" in str(err) and "NCCL" in str(err)
+
+
+BOUNDED = {
+    "endless chunked body": (endless_body(chunked=True), "(as sent)"),
+    "endless body under a 1 TiB Content-Length": (endless_body(chunked=False), "(as sent)"),
+    "gzip bomb": (gzip_answer(gzip_bomb()), "(once gzip was inflated)"),
+}
+
+
+@pytest.mark.parametrize("behave,how", BOUNDED.values(), ids=BOUNDED.keys())
+def test_a_huge_answer_is_cut_at_the_limit(behave, how):
+    err, _ = call_misbehaving(behave, world_size, VLLMProtocolError)
+    assert f"over {16 * 2**20} bytes {how}" in str(err)
+
+
+MALFORMED = {
+    "HTML 200": (raw_answer(200, b"<html><body>Sign in</body></html>", HTML), "not a JSON object"),
+    "JSON that is not an object": (json_answer(200, [1, 2]), "not a JSON object"),
+    "204": (raw_answer(204, length=False), "HTTP 204 with no body"),
+    "empty 200": (raw_answer(200), "HTTP 200 with no body"),
+    "302": (raw_answer(302, headers=[("Location", "/elsewhere")]),
+            "HTTP 302, a redirect to /elsewhere, which is never followed"),
+    "307 to another host": (raw_answer(307, headers=[("Location", "http://198.51.100.1/x")]),
+                            "never followed"),
+    "unsolicited 101": (raw_answer(101, headers=[("Upgrade", "x"), ("Connection", "Upgrade")],
+                                   length=False), "not valid HTTP/1.1"),
+    "not HTTP at all": (not_http, "not valid HTTP/1.1"),
+    "brotli": (raw_answer(200, b"\x0b\x02\x80{}\x03", [("Content-Encoding", "br")]),
+               "Content-Encoding 'br'"),
+    "broken gzip": (raw_answer(200, b"\x1f\x8b\x08\x00garbage", [("Content-Encoding", "gzip")]),
+                    "not valid gzip"),
+}
+
+
+@pytest.mark.parametrize("behave,says", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_answer_is_a_protocol_error(behave, says):
+    err, server = call_misbehaving(behave, init, VLLMProtocolError)
+    assert says in str(err)
+    assert [path for _, path, _ in server.requests] == ["/init_weight_transfer_engine"]
+
+
+SHAPES = {
+    "world_size a string": ("/get_world_size", {"world_size": "2"}, world_size),
+    "world_size a bool": ("/get_world_size", {"world_size": True}, world_size),
+    "world_size negative": ("/get_world_size", {"world_size": -1}, world_size),
+    "world_size missing": ("/get_world_size", {"size": 2}, world_size),
+    "is_paused a string": ("/is_paused", {"is_paused": "no"}, lambda c: c.is_paused()),
+    "weight_version a number": ("/weight_info", {"weight_version": 3}, lambda c: c.weight_info()),
+    "checksums not strings": ("/weight_checker", {"checksums": {"w": 1}},
+                              lambda c: c.weight_checker("checksum")),
+    "mismatches not a list": ("/weight_checker", {"match": False, "mismatches": "w"},
+                              lambda c: c.weight_checker("compare", {"w": "x"})),
+}
+
+
+@pytest.mark.parametrize("path,answer,call", SHAPES.values(), ids=SHAPES.keys())
+def test_an_answer_of_the_wrong_shape_is_a_protocol_error(path, answer, call):
+    err, _ = call_misbehaving({path: json_answer(200, answer)}, call, VLLMProtocolError)
+    assert "where vLLM sends" in str(err)
+
+
+ECHOES = {
+    "JSON": echo(as_json=True),
+    "JSON with escaped slashes": echo(as_json=True, escape_slashes=True),
+    "text with escaped slashes": echo(as_json=False, escape_slashes=True),
+    "a 400": echo(status=400),
+}
+
+
+@pytest.mark.parametrize("behave", ECHOES.values(), ids=ECHOES.keys())
+def test_an_error_that_echoes_the_request_does_not_leak_the_unique_id(behave):
+    err, server = call_misbehaving(behave, init, VLLMHTTPError)
+    assert UID.encode() in server.requests[0][2]  # it was sent, and echoed
+    assert err.status in (400, 500) and "<redacted>" in err.message
+    assert "cannot parse the body" in str(err)
+
+
+def test_a_connection_closed_mid_answer_is_a_connection_error():
+    err, _ = call_misbehaving(cut_short, world_size, VLLMConnectionError)
+    assert not isinstance(err, VLLMTimeout) and "closed the connection" in str(err)
+
+
+def test_a_server_that_never_reads_cannot_hold_a_send():
+    """A 32 MiB body into a server that never reads: the send ends by the deadline."""
+    with leaves_nothing_behind(), BadServer(deaf=True) as server:
+        with VLLMClient(server.url) as client:
+            start = time.monotonic()
+            with pytest.raises(VLLMTimeout) as e:
+                client.update_weights({"names": ["x" * 2**25]}, timeout=DEADLINE)
+            assert time.monotonic() - start < DEADLINE + MARGIN
+    assert "POST" in str(e.value) and "/update_weights" in str(e.value)
+
+
+def test_a_gzip_answer_is_decoded():
+    import gzip
+    body = gzip.compress(b'{"world_size": 4}')
+    with BadServer(gzip_answer(body)) as server, VLLMClient(server.url) as client:
+        assert client.get_world_size() == 4
+
+
+def test_unreachable_is_a_connection_error_naming_the_route():
+    with BadServer(silent) as server:
+        url = server.url
+    with VLLMClient(url, connect_timeout=DEADLINE) as client:
+        with pytest.raises(VLLMConnectionError) as e:
+            client.resume()
+    assert not isinstance(e.value, VLLMTimeout)
+    assert f"POST {url}/resume" in str(e.value) and "check the URL" in str(e.value)
+
+
+# -- the happy path: every route against vLLM 0.33.0's answers -----------------
+
+def vllm(ex) -> bool:
+    """vLLM's router's answer to each route (api_router.py)."""
+    answers = {
+        "/get_world_size": {"world_size": 2},
+        "/is_paused": {"is_paused": True},
+        "/weight_info": {"weight_version": "v3"},
+        "/pause": {"status": "paused"},
+        "/resume": {"status": "resumed"},
+        "/init_weight_transfer_engine": {"message": "Weight transfer initialized"},
+        "/start_weight_update": {"message": "Weight update started"},
+        "/update_weights": {"message": "Weights updated"},
+        "/finish_weight_update": {"message": "Weight update finished"},
+        "/shutdown_weight_transfer_engine": {"message": "Weight transfer shut down"},
+        "/weight_checker": {b'{"action":"checksum"}': {"checksums": {"w": "ab"}},
+                            b'{"action":"reset"}': {"status": "reset"}}.get(
+                                ex.body, {"match": False, "mismatches": ["w"]}),
+    }
+    return json_answer(200, answers[ex.path])(ex)
+
+
+def test_every_route_answers_vllms_shapes_over_one_kept_connection():
+    with leaves_nothing_behind(), BadServer(vllm) as server:
+        with VLLMClient(server.url, api_key="k") as c:
+            assert c.get_world_size() == 2 and c.get_world_size(False, timeout=3) == 2
+            assert c.init_weight_transfer_engine({"nccl_unique_id_b64": UID}) == {
+                "message": "Weight transfer initialized"}
+            assert c.start_weight_update()["message"] == "Weight update started"
+            assert c.update_weights({"names": []}, timeout=5)["message"] == "Weights updated"
+            assert c.finish_weight_update("v3")["message"] == "Weight update finished"
+            assert c.pause("wait") == {"status": "paused"}
+            assert c.is_paused() is True
+            assert c.resume() == {"status": "resumed"}
+            assert c.weight_info() == {"weight_version": "v3"}
+            assert c.weight_checker("checksum") == {"checksums": {"w": "ab"}}
+            assert c.weight_checker("reset") == {"status": "reset"}
+            assert c.weight_checker("compare", {"w": "cd"}) == {"match": False,
+                                                                "mismatches": ["w"]}
+            assert c.shutdown_weight_transfer_engine()["message"] == "Weight transfer shut down"
+            assert c.request("GET", "/get_world_size", params={"include_dp": "true"}) == {
+                "world_size": 2}
+        assert server.connections == 1 and len(server.requests) == 15
+
+
+def test_deadlines_are_per_call_when_threads_share_a_client():
+    """One thread stuck on a silent route does not shorten, lengthen or block
+    another thread's calls on the same client."""
+    routes = {"/is_paused": silent, "/get_world_size": json_answer(200, {"world_size": 2})}
+    with leaves_nothing_behind(), BadServer(routes) as server:
+        with VLLMClient(server.url) as c:
+            stuck: list[BaseException] = []
+
+            def wait_on_the_silent_route() -> None:
+                try:
+                    c.is_paused(timeout=DEADLINE)
+                except VLLMTimeout as e:
+                    stuck.append(e)
+
+            thread = threading.Thread(target=wait_on_the_silent_route)
+            start = time.monotonic()
+            thread.start()
+            answers = [c.get_world_size(timeout=0.5) for _ in range(20)]
+            assert time.monotonic() - start < DEADLINE  # none waited for the stuck call
+            thread.join()
+            assert DEADLINE * 0.9 <= time.monotonic() - start < DEADLINE + MARGIN
+    assert answers == [2] * 20 and len(stuck) == 1
+
+
+def test_close_twice_and_calls_after_close():
+    with BadServer(vllm) as server:
+        client = VLLMClient(server.url)
+        assert client.get_world_size() == 2
+        client.close()
+        client.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            client.get_world_size()
+
+
+BAD_SECONDS = [None, math.inf, math.nan, 0, -1.0, True, "5"]
+
+
+@pytest.mark.parametrize("name", ["connect_timeout", "timeout", "transfer_timeout"])
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=repr)
+def test_a_timeout_must_be_positive_and_finite(name, value):
+    with pytest.raises(ValueError, match=name):
+        VLLMClient("http://127.0.0.1:1", **{name: value})
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS[1:], ids=repr)
+def test_a_per_call_timeout_must_be_positive_and_finite(value):
+    with VLLMClient("http://127.0.0.1:1") as c:
+        for call in (lambda: c.get_world_size(timeout=value),
+                     lambda: c.update_weights({}, timeout=value),
+                     lambda: c.request("GET", "/x", timeout=value)):
+            with pytest.raises(ValueError, match="timeout"):
+                call()
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_body_bytes=0), dict(max_body_bytes=1.5),
+                                    dict(base_url="ftp://h:1"), dict(base_url="127.0.0.1:8000")])
+def test_a_bad_setting_is_refused(kwargs):
+    with pytest.raises(ValueError):
+        VLLMClient(**{"base_url": "http://127.0.0.1:1", **kwargs})
+
+
+def test_max_body_bytes_bounds_a_small_answer_too():
+    with BadServer(json_answer(200, {"world_size": 2, "pad": "x" * 100})) as server:
+        with VLLMClient(server.url, max_body_bytes=64) as c:
+            with pytest.raises(VLLMProtocolError, match="over 64 bytes"):
+                c.get_world_size()
+
+
+# -- redact ------------------------------------------------------------------
+
+def test_redact_hides_ids_in_every_spelling():
+    raw = os.urandom(128)
+    std = base64.b64encode(raw).decode()
+    url = base64.urlsafe_b64encode(raw).decode()
+    for spelled in (std, url, std.replace("/", "\\/"), std.rstrip("="), std[:64]):
+        out = redact(f'{{"nccl_unique_id_b64":"{spelled}"}} and more')
+        assert out == '{"nccl_unique_id_b64":"<redacted>"} and more'
+    assert redact(f"{std} {url}") == "<redacted> <redacted>"
+
+
+@pytest.mark.parametrize("text", [
+    "", "start_weight_update must be called first", "dGhpcyBpcyBzaG9ydA==",
+    "x" * 63, "a/b/c " * 20, "HTTP 500: Call to collective_rpc method failed",
+])
+def test_redact_leaves_ordinary_text_alone(text):
+    assert redact(text) == text
