@@ -363,7 +363,19 @@ class VLLMClient:
         url = self.base_url + route + (f"?{urlencode(params)}" if params else "")
         with self._backend.deadline(seconds):
             status, headers, raw = self._exchange(method, url, json, seconds, where, route)
+        if status >= 500:
+            self._drop_idle()
         return self._answer(status, headers, raw, where, route)
+
+    def _drop_idle(self) -> None:
+        """Close the kept connections no call is using. Why: a server whose
+        handler raised (uvicorn, under vLLM's routes) answers 500 and then
+        closes the connection, a moment later; the next call on it would
+        meet the reset (seen on vLLM 0.33.0's engine after a refused
+        ``/shutdown_weight_transfer_engine``)."""
+        for connection in self._pool.connections:
+            if connection.is_idle():
+                connection.close()
 
     def _exchange(self, method: str, url: str, json: Any, seconds: float, where: str,
                   route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

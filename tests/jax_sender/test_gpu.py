@@ -18,7 +18,7 @@ from jax_sender.testing.harness import (
     run_all,
     vllm_available,
 )
-from uniqueid import UniqueId
+from uniqueid import UniqueId, redact
 
 from support import ROOT, child
 
@@ -171,8 +171,8 @@ def vllm_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "requests.jsonl"
     with VLLMServer("1", output=log.with_suffix(".out"), requests=log) as url:
         yield url, log
-    print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
-    print("vLLM requests:", log.read_text()[-3000:] if log.exists() else "none")
+    print("vLLM server output:", redact(log.with_suffix(".out").read_text()[-4000:]))
+    print("vLLM requests:", redact(log.read_text()[-3000:]) if log.exists() else "none")
 
 
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
@@ -194,7 +194,7 @@ def test_sparse_into_vllms_sparse_engine(tmp_path):
         with VLLMServer("1", output=log.with_suffix(".out"), requests=log, sparse=True) as url:
             print(run("sparse", url, timeout=240))
     finally:
-        print("vLLM server output:", log.with_suffix(".out").read_text()[-4000:])
+        print("vLLM server output:", redact(log.with_suffix(".out").read_text()[-4000:]))
 
 
 # -- the server outlives the trainer's mistakes (vLLM 0.33.0's real engine) ----

@@ -385,3 +385,36 @@ def test_redact_hides_ids_in_every_spelling():
 ])
 def test_redact_leaves_ordinary_text_alone(text):
     assert redact(text) == text
+
+
+def test_a_server_that_closes_after_an_error_does_not_fail_the_next_call():
+    """uvicorn, under vLLM's routes, answers a handler's exception with 500
+    and closes the connection a moment later (seen after vLLM 0.33.0 refused
+    ``/shutdown_weight_transfer_engine``): the next call must not meet the
+    reset on a kept connection."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reply(conn, status: bytes, body: bytes) -> None:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def serve() -> None:
+        first, _ = listener.accept()
+        reply(first, b"500 Internal Server Error", b'{"error": {"message": "refused"}}')
+        time.sleep(0.1)  # the reset comes a moment after the answer
+        first.close()
+        second, _ = listener.accept()
+        reply(second, b"200 OK", b'{"message": "Weight update finished"}')
+        second.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = VLLMClient(f"http://127.0.0.1:{port}", timeout=5)
+    with pytest.raises(VLLMHTTPError, match="refused"):
+        client.shutdown_weight_transfer_engine()
+    assert client.finish_weight_update() == {"message": "Weight update finished"}
+    client.close()
+    listener.close()
