@@ -277,8 +277,8 @@ def too_large(url: str) -> None:
         took, msg = time.monotonic() - t, str(e)
     else:
         raise AssertionError("connect with a too-large world returned")
-    assert 8 <= took <= 10, took
-    print(f"OK timed out in {took:.2f}s: {msg[:300]}")
+    assert took <= 8 + 1, took  # the whole call within its deadline
+    print(f"OK timed out in {took:.2f}s (deadline 8s): {msg[:300]}")
 
 
 def _expect_send_error(sender, pairs, limit: float) -> tuple[float, str]:
@@ -519,8 +519,15 @@ def recover_not_ready(url: str) -> str:
     pairs = _test_tensors(3)
     sender.send(pairs)
     names, xs = [n for n, _ in pairs], [x for _, x in pairs]
-    a = jnp.full((8192, 8192), 1e-4, jnp.float32)
-    spin = jax.jit(lambda a: jax.lax.fori_loop(0, 2000, lambda i, y: jnp.tanh(y @ a), a)[0, 0])
+    a = jnp.full((16384, 16384), 1e-4, jnp.float32)
+
+    def chain(a):  # straight-line (a while loop on GPU would block the dispatch itself)
+        y = a
+        for _ in range(24):
+            y = jnp.tanh(jnp.matmul(y, a, precision=jax.lax.Precision.HIGHEST))
+        return y[0, 0]
+
+    spin = jax.jit(chain)
     after = jax.jit(lambda xs, d: [x + (d * 0).astype(x.dtype) for x in xs])
     t = time.monotonic()
     jax.block_until_ready(after(xs, spin(a)))  # compiled, and how long a step takes
