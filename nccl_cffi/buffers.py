@@ -33,7 +33,15 @@ _DL_TYPES = {
 
 @dataclass(frozen=True)
 class DeviceBuffer:
-    """A contiguous device buffer: pointer, element count, dtype name."""
+    """A contiguous device buffer: pointer, element count, dtype name.
+
+    Attributes:
+        ptr: the device address of its first element.
+        count: its elements.
+        dtype: the canonical dtype name (``dtype_name``), e.g. ``"bfloat16"``.
+        owner: the object the buffer came from, kept alive with it (None for
+            a raw pointer: its owner is the caller's to keep).
+    """
 
     ptr: int
     count: int
@@ -42,6 +50,7 @@ class DeviceBuffer:
 
     @property
     def nbytes(self) -> int:
+        """The buffer's size in bytes: ``count`` x the dtype's item size."""
         from .dtypes import itemsize
         return self.count * itemsize(self.dtype)
 
@@ -122,6 +131,26 @@ def as_buffer(obj: Any, count: int | None = None, dtype: Any = None,
 
     For a raw ``int`` pointer, ``count`` and ``dtype`` are required; for an
     array they are optional and, when given, must not exceed what it holds.
+
+    Args:
+        obj: a ``DeviceBuffer``, a raw device pointer (``int``), a
+            single-device JAX array (waited for), or an object with
+            ``__cuda_array_interface__`` or ``__dlpack__``; C-contiguous.
+        count: elements to use from its start; None: all of them.
+        dtype: the element type (any spelling ``dtype_name`` takes); None:
+            the array's own.
+        stream: the consumer stream handle passed to ``__dlpack__``, so the
+            producer orders its work before it; None or 0: none passed.
+
+    Returns:
+        The buffer; ``owner`` keeps ``obj`` alive.
+
+    Raises:
+        TypeError: ``obj`` is none of those kinds, holds another dtype than
+            ``dtype``, or has a dtype NCCL has no type for.
+        ValueError: a raw pointer without ``count`` and ``dtype``, or null;
+            ``count`` beyond what ``obj`` holds; an array that is not
+            C-contiguous, not on a CUDA device, or sharded over several.
     """
     if isinstance(obj, DeviceBuffer):
         buf = obj

@@ -4,8 +4,9 @@ Two kinds of communicator, both with a way out of every wait:
 
 * **blocking** (``ncclCommInitRankConfig`` with ``blocking=1``): what vLLM's
   workers use, and the fast one: a collective launches in the caller's
-  thread (about 22 us per call on an H200, against about 90 us for a
-  non-blocking one, whose every call NCCL launches from a thread of its own).
+  thread, several times faster than a non-blocking one's, whose every call
+  NCCL launches from a thread of its own (docs/benchmarks.md, "Figures
+  behind the design").
   Its init cannot be interrupted, so with a deadline it runs on a daemon
   thread that the caller stops waiting for; if init ever returns after the
   deadline, that thread aborts what it made. Nothing ever aborts a
@@ -52,6 +53,14 @@ def get_unique_id() -> bytes:
 
     The id embeds the bootstrap address of a listener in *this* process, so
     the process must outlive every rank's init.
+
+    Returns:
+        The id's ``UNIQUE_ID_BYTES`` raw bytes.
+
+    Raises:
+        NcclLibraryNotFound: no usable libnccl.
+        NcclError: ``ncclGetUniqueId`` failed (e.g. no network interface to
+            listen on).
     """
     uid = ffi.new("ncclUniqueId *")
     check_rc(load_library().ncclGetUniqueId(uid), "ncclGetUniqueId")
@@ -59,7 +68,18 @@ def get_unique_id() -> bytes:
 
 
 def unique_id_from_bytes(raw: bytes) -> Any:
-    """The C ``ncclUniqueId`` for 128 raw bytes."""
+    """The C ``ncclUniqueId`` for 128 raw bytes.
+
+    Args:
+        raw: the id's bytes (``bytes``, ``bytearray`` or ``memoryview``).
+
+    Returns:
+        A cffi ``ncclUniqueId`` struct, as ``Communicator.init_rank`` takes it.
+
+    Raises:
+        TypeError: ``raw`` is not bytes-like.
+        ValueError: ``raw`` is not ``UNIQUE_ID_BYTES`` long.
+    """
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise TypeError(f"a unique id is bytes, got {type(raw).__name__}")
     if len(raw) != UNIQUE_ID_BYTES:
@@ -70,7 +90,14 @@ def unique_id_from_bytes(raw: bytes) -> Any:
 
 
 def unique_id_to_bytes(uid: Any) -> bytes:
-    """The 128 raw bytes of a C ``ncclUniqueId``."""
+    """The 128 raw bytes of a C ``ncclUniqueId``.
+
+    Args:
+        uid: a cffi ``ncclUniqueId`` struct.
+
+    Returns:
+        Its ``UNIQUE_ID_BYTES`` bytes.
+    """
     return bytes(ffi.buffer(uid.internal, UNIQUE_ID_BYTES))
 
 
@@ -99,6 +126,13 @@ class Communicator:
     for it with a deadline. On any failure or expired deadline the
     communicator is aborted and cannot be used again: mint a new unique id
     and init again.
+
+    Args:
+        handle: the raw ``ncclComm_t`` (``init_rank`` makes it).
+        nranks: the ranks in the communicator.
+        rank: this process's rank in it.
+        device: the CUDA ordinal it was made on.
+        blocking: whether NCCL was told to make it blocking.
     """
 
     def __init__(self, handle: Any, *, nranks: int, rank: int, device: int, blocking: bool):
@@ -133,6 +167,30 @@ class Communicator:
         on a daemon thread, and given up means abandoned: NCCL hands out the
         handle only when init returns, so nothing can abort it earlier. If it
         ever returns, the thread aborts the communicator itself.
+
+        Args:
+            nranks: every rank of the communicator.
+            unique_id: the group's id: its 128 bytes, or a C ``ncclUniqueId``.
+            rank: this process's rank, ``0 <= rank < nranks``.
+            device: the CUDA ordinal to make it on.
+            blocking: make a blocking communicator (as vLLM's workers use).
+            timeout: seconds for the init and ``then`` together; None waits
+                for ever.
+            check: called while waiting; what it raises gives the init up.
+            then: ``then(comm, seconds_left, check)``, run right after init.
+
+        Returns:
+            The communicator, open.
+
+        Raises:
+            ValueError: ``nranks``, ``rank`` or ``device`` out of range.
+            TypeError, ValueError: ``unique_id`` is not 128 bytes.
+            NcclLibraryNotFound: no usable libnccl.
+            CudaError: ``device`` cannot be made current.
+            NcclTimeoutError: the other ranks did not join within ``timeout``.
+            NcclError: NCCL refused the init (a version mismatch, a duplicate
+                GPU, ...), or reported an error while it ran.
+            BaseException: what ``check`` or ``then`` raised (the init given up).
         """
         if not isinstance(nranks, int) or nranks < 1:
             raise ValueError(f"nranks must be a positive int, got {nranks!r}")
@@ -231,7 +289,15 @@ class Communicator:
         return self._handle
 
     def get_async_error(self) -> int:
-        """``ncclCommGetAsyncError``: 0 ok, 7 in progress, else the failure code."""
+        """``ncclCommGetAsyncError``: 0 ok, 7 in progress, else the failure code.
+
+        Returns:
+            The communicator's ``ncclResult_t`` state.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+            NcclError: the query itself failed.
+        """
         with self._lock:
             handle = self._live()
             state = ffi.new("ncclResult_t *")
@@ -239,7 +305,15 @@ class Communicator:
             return int(state[0])
 
     def check_async(self, call: str = "NCCL") -> None:
-        """Raise (and abort) if NCCL reported an asynchronous error."""
+        """Raise (and abort) if NCCL reported an asynchronous error.
+
+        Args:
+            call: what the error is reported for, in its message.
+
+        Raises:
+            NcclError: the error's subclass; the communicator is aborted.
+            InvalidUsageError: the communicator is closed.
+        """
         state = self.get_async_error()
         if state not in (SUCCESS, IN_PROGRESS):
             err = make_error(state, f"{call} (async)", self._handle)
@@ -274,7 +348,13 @@ class Communicator:
                                 f"communicator aborted. {why}")
 
     def abort(self, reason: str = "aborted") -> None:
-        """``ncclCommAbort``: frees the communicator, unblocking any peer-waiting kernel."""
+        """``ncclCommAbort``: frees the communicator, unblocking any peer-waiting kernel.
+
+        Aborting a closed communicator does nothing.
+
+        Args:
+            reason: why, kept as ``closed_reason`` (what ``state`` says).
+        """
         with self._lock:
             handle, self._handle = self._handle, None
             if handle is None:
@@ -290,6 +370,16 @@ class Communicator:
         if that stalls past ``timeout``. Blocking: ``ncclCommAbort``, because
         its ``ncclCommFinalize`` would wait, uninterruptibly, on every peer's
         outstanding work; with nothing outstanding the two free the same.
+        Destroying a closed communicator does nothing; a finalize that fails
+        or stalls aborts it instead of raising. ``finalize`` is the same call.
+
+        Args:
+            timeout: seconds a non-blocking finalize may take before the
+                communicator is aborted; None waits for ever.
+
+        Raises:
+            NcclError: ``ncclCommGetAsyncError`` itself failed (nothing freed).
+            CudaError: the communicator's device cannot be made current.
         """
         if self._handle is None:
             return
@@ -330,12 +420,39 @@ class Communicator:
         return int(out[0])
 
     def count(self) -> int:
+        """``ncclCommCount``: the number of ranks in the communicator.
+
+        Returns:
+            NCCL's answer.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+            NcclError: the query failed.
+        """
         return self._query("ncclCommCount")
 
     def cu_device(self) -> int:
+        """``ncclCommCuDevice``: the CUDA ordinal the communicator uses.
+
+        Returns:
+            NCCL's answer.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+            NcclError: the query failed.
+        """
         return self._query("ncclCommCuDevice")
 
     def user_rank(self) -> int:
+        """``ncclCommUserRank``: this process's rank in the communicator.
+
+        Returns:
+            NCCL's answer.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+            NcclError: the query failed.
+        """
         return self._query("ncclCommUserRank")
 
     # -- collectives ----------------------------------------------------
@@ -357,7 +474,35 @@ class Communicator:
     def broadcast(self, send: Any, recv: Any = None, *, root: int, count: int | None = None,
                   dtype: Any = None, stream: Any = None,
                   timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
-        """``ncclBroadcast`` from ``root``; in place when ``recv`` is None."""
+        """``ncclBroadcast`` from ``root``; in place when ``recv`` is None.
+
+        Enqueues only: the broadcast is done once ``wait(stream)`` returns.
+
+        Args:
+            send: the source buffer (read on ``root`` only): a raw device
+                pointer, a JAX array, or an object with
+                ``__cuda_array_interface__`` or ``__dlpack__`` (``as_buffer``).
+            recv: the destination buffer, of the same kind; None: ``send``.
+            root: the rank that sends.
+            count: elements; required with a raw pointer, else at
+                most what the array holds (default: all of it).
+            dtype: the element type (any spelling ``dtype_name`` takes);
+                required with a raw pointer, else checked against the array.
+            stream: the CUDA stream (a handle, or an object with ``.handle``)
+                to enqueue on; None: the legacy default stream.
+            timeout: seconds a non-blocking communicator may take to enqueue
+                (``ncclInProgress``) before it is aborted; None waits for
+                ever. Completion is waited for by ``wait``.
+
+        Raises:
+            TypeError, ValueError: a buffer ``as_buffer`` refuses, or a dtype
+                this NCCL has no type for.
+            ValueError: ``root`` is not a rank of the communicator.
+            InvalidUsageError: the communicator is closed.
+            NcclError: NCCL refused the call (the communicator is aborted).
+            NcclTimeoutError: a non-blocking enqueue overran ``timeout``
+                (the communicator is aborted).
+        """
         sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
         if not 0 <= root < self.nranks:
             raise ValueError(f"root {root} is out of range for {self.nranks} ranks")
@@ -373,7 +518,27 @@ class Communicator:
         """``ncclBroadcast`` in place on raw integers (a device pointer, an
         element count, an ``ncclDataType_t`` code, a ``CUstream`` handle): the
         hot path of a push, which has checked all of them once beforehand.
-        The calling thread's current device must be this communicator's."""
+        The calling thread's current device must be this communicator's.
+
+        While the call runs, ``in_call_since`` holds when it began, so a
+        watcher can tell a call that does not return.
+
+        Args:
+            ptr: the device pointer, sent from on ``root`` and received into
+                elsewhere.
+            count: elements.
+            nccl_dtype: the ``ncclDataType_t`` code (``nccl_type``).
+            root: the rank that sends.
+            stream: the ``CUstream`` handle to enqueue on.
+            timeout: seconds a non-blocking communicator may take to enqueue
+                before it is aborted; None waits for ever.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+            NcclError: NCCL refused the call (the communicator is aborted).
+            NcclTimeoutError: a non-blocking enqueue overran ``timeout``
+                (the communicator is aborted).
+        """
         self.in_call_since = time.monotonic()
         try:
             rc = load_library().ncclBroadcast(ffi.cast("void *", ptr), ffi.cast("void *", ptr),
@@ -387,7 +552,33 @@ class Communicator:
     def all_reduce(self, send: Any, recv: Any = None, *, op: str = "sum",
                    count: int | None = None, dtype: Any = None, stream: Any = None,
                    timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
-        """``ncclAllReduce``; in place when ``recv`` is None."""
+        """``ncclAllReduce``; in place when ``recv`` is None.
+
+        Enqueues only: the reduction is done once ``wait(stream)`` returns.
+
+        Args:
+            send: the input buffer (any kind ``as_buffer`` takes).
+            recv: the output buffer; None: ``send``.
+            op: ``"sum"``, ``"prod"``, ``"max"``, ``"min"`` or ``"avg"``.
+            count: elements; required with a raw pointer, else at
+                most what the array holds (default: all of it).
+            dtype: the element type (any spelling ``dtype_name`` takes);
+                required with a raw pointer, else checked against the array.
+            stream: the CUDA stream (a handle, or an object with ``.handle``)
+                to enqueue on; None: the legacy default stream.
+            timeout: seconds a non-blocking communicator may take to enqueue
+                (``ncclInProgress``) before it is aborted; None waits for
+                ever. Completion is waited for by ``wait``.
+
+        Raises:
+            ValueError: an unknown ``op``.
+            TypeError, ValueError: a buffer ``as_buffer`` refuses, or a dtype
+                this NCCL has no type for.
+            InvalidUsageError: the communicator is closed.
+            NcclError: NCCL refused the call (the communicator is aborted).
+            NcclTimeoutError: a non-blocking enqueue overran ``timeout``
+                (the communicator is aborted).
+        """
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         sbuf, rbuf = self._buffers(send, recv, count, dtype, stream)
@@ -400,12 +591,64 @@ class Communicator:
 
     def send(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
              stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
-        """``ncclSend`` to ``peer``."""
+        """``ncclSend`` to ``peer``.
+
+        Enqueues only; the matching call of ``peer`` must be enqueued too,
+        in a ``group`` when one rank both sends and receives.
+
+        Args:
+            buf: the buffer to send (any kind ``as_buffer`` takes).
+            peer: the rank that receives; not this one.
+            count: elements; required with a raw pointer, else at
+                most what the array holds (default: all of it).
+            dtype: the element type (any spelling ``dtype_name`` takes);
+                required with a raw pointer, else checked against the array.
+            stream: the CUDA stream (a handle, or an object with ``.handle``)
+                to enqueue on; None: the legacy default stream.
+            timeout: seconds a non-blocking communicator may take to enqueue
+                (``ncclInProgress``) before it is aborted; None waits for
+                ever. Completion is waited for by ``wait``.
+
+        Raises:
+            TypeError, ValueError: a buffer ``as_buffer`` refuses, or a dtype
+                this NCCL has no type for.
+            ValueError: ``peer`` is not another rank of the communicator.
+            InvalidUsageError: the communicator is closed.
+            NcclError: NCCL refused the call (the communicator is aborted).
+            NcclTimeoutError: a non-blocking enqueue overran ``timeout``
+                (the communicator is aborted).
+        """
         self._p2p("ncclSend", buf, peer, count, dtype, stream, timeout)
 
     def recv(self, buf: Any, *, peer: int, count: int | None = None, dtype: Any = None,
              stream: Any = None, timeout: float | None = DEFAULT_OP_TIMEOUT) -> None:
-        """``ncclRecv`` from ``peer``."""
+        """``ncclRecv`` from ``peer``.
+
+        Enqueues only; the matching call of ``peer`` must be enqueued too,
+        in a ``group`` when one rank both sends and receives.
+
+        Args:
+            buf: the buffer to receive into (any kind ``as_buffer`` takes).
+            peer: the rank that sends; not this one.
+            count: elements; required with a raw pointer, else at
+                most what the array holds (default: all of it).
+            dtype: the element type (any spelling ``dtype_name`` takes);
+                required with a raw pointer, else checked against the array.
+            stream: the CUDA stream (a handle, or an object with ``.handle``)
+                to enqueue on; None: the legacy default stream.
+            timeout: seconds a non-blocking communicator may take to enqueue
+                (``ncclInProgress``) before it is aborted; None waits for
+                ever. Completion is waited for by ``wait``.
+
+        Raises:
+            TypeError, ValueError: a buffer ``as_buffer`` refuses, or a dtype
+                this NCCL has no type for.
+            ValueError: ``peer`` is not another rank of the communicator.
+            InvalidUsageError: the communicator is closed.
+            NcclError: NCCL refused the call (the communicator is aborted).
+            NcclTimeoutError: a non-blocking enqueue overran ``timeout``
+                (the communicator is aborted).
+        """
         self._p2p("ncclRecv", buf, peer, count, dtype, stream, timeout)
 
     def _p2p(self, call: str, buf: Any, peer: int, count: int | None, dtype: Any,
@@ -428,6 +671,21 @@ class Communicator:
 
         Past ``timeout`` the communicator is aborted (which also releases the
         stuck kernels) and ``NcclTimeoutError`` is raised.
+
+        Args:
+            stream: the CUDA stream (a handle, or an object with ``.handle``);
+                None: the legacy default stream.
+            timeout: seconds to wait at most; None waits for ever.
+            what: what is waited for, in error messages.
+            check: called between polls; what it raises ends the wait.
+
+        Raises:
+            NcclTimeoutError: not done within ``timeout`` (the communicator
+                is aborted).
+            NcclError: NCCL reported an asynchronous error (aborted).
+            InvalidUsageError: the communicator is closed.
+            CudaError: the event to wait on cannot be made or recorded.
+            BaseException: what ``check`` raised (the communicator is aborted).
         """
         with cuda.on_device(self.device):
             event = cuda.Event(self.device).record(0 if stream is None else
@@ -442,6 +700,20 @@ class Communicator:
         """Wait for ``event`` with a deadline, surfacing NCCL async errors.
 
         ``check`` runs between polls; if it raises, the communicator is aborted.
+
+        Args:
+            event: a recorded ``cuda.Event``.
+            timeout: seconds to wait at most; None waits for ever.
+            what: what is waited for, in error messages.
+            check: called between polls; what it raises ends the wait.
+
+        Raises:
+            NcclTimeoutError: not done within ``timeout`` (the communicator
+                is aborted).
+            NcclError: NCCL reported an asynchronous error (aborted).
+            InvalidUsageError: the communicator is closed.
+            CudaError: querying the event failed.
+            BaseException: what ``check`` raised (the communicator is aborted).
         """
         guard = self._guard(what, check)
 
@@ -478,7 +750,20 @@ def group(*comms: Communicator, timeout: float | None = DEFAULT_OP_TIMEOUT) -> I
     """``ncclGroupStart`` / ``ncclGroupEnd`` as a context manager.
 
     Pass the non-blocking communicators used inside so the end of the group
-    can wait (with ``timeout``) for NCCL to finish enqueuing on each.
+    can wait (with ``timeout``) for NCCL to finish enqueuing on each. Groups
+    nest; only the outermost end launches.
+
+    Args:
+        *comms: the communicators used inside the group.
+        timeout: seconds each non-blocking one may take to finish enqueuing
+            at the end; None waits for ever.
+
+    Raises:
+        NcclLibraryNotFound: no usable libnccl.
+        NcclError: ``ncclGroupStart`` or ``ncclGroupEnd`` failed (at the end,
+            ``comms`` are aborted).
+        NcclTimeoutError: a non-blocking communicator did not finish
+            enqueuing within ``timeout`` (it is aborted).
     """
     lib = load_library()
     check_rc(lib.ncclGroupStart(), "ncclGroupStart")

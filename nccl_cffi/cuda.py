@@ -137,8 +137,8 @@ def on_device(ordinal: int) -> Iterator[None]:
 
 
 # The calls a push makes per tensor or per chunk, straight into libcuda
-# (declared in ``_cdef.py``): the cuda-python wrappers cost a few
-# microseconds each, which adds up over a push of many small tensors.
+# (declared in ``_cdef.py``): the cuda-python wrappers' own cost per call
+# adds up over a push of many small tensors.
 # Handles and pointers are plain integers here.
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 

@@ -34,7 +34,15 @@ _ALIASES = {"half": "float16", "float": "float32", "double": "float64",
 def dtype_name(dtype: Any) -> str:
     """Canonical (torch-compatible) name of ``dtype``, e.g. ``"bfloat16"``.
 
-    Raises ``TypeError`` for a dtype NCCL has no type for.
+    Args:
+        dtype: a numpy, ml_dtypes or JAX dtype, a ``torch.dtype``, or a name
+            ("bfloat16", "torch.float8_e4m3fn", "half", ...).
+
+    Returns:
+        The name, a key of ``NCCL_TYPES``.
+
+    Raises:
+        TypeError: ``dtype`` is not a dtype, or one NCCL has no type for.
     """
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
@@ -54,7 +62,21 @@ def dtype_name(dtype: Any) -> str:
 
 
 def nccl_type(dtype: Any, version_code: int | None = None) -> int:
-    """``ncclDataType_t`` for ``dtype``; checks the loaded NCCL supports it."""
+    """``ncclDataType_t`` for ``dtype``; checks the loaded NCCL supports it.
+
+    Args:
+        dtype: any spelling ``dtype_name`` takes.
+        version_code: the NCCL version code to check against (e.g. 22809);
+            None: the loaded library's.
+
+    Returns:
+        The ``ncclDataType_t`` code.
+
+    Raises:
+        TypeError: no NCCL type for ``dtype``, or none before that version
+            (bfloat16 needs 2.10, FP8 2.24).
+        NcclLibraryNotFound: ``version_code`` is None and no libnccl loads.
+    """
     name = dtype_name(dtype)
     code, _, since = NCCL_TYPES[name]
     if version_code is None:
@@ -66,11 +88,34 @@ def nccl_type(dtype: Any, version_code: int | None = None) -> int:
 
 
 def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype``.
+
+    Args:
+        dtype: any spelling ``dtype_name`` takes.
+
+    Returns:
+        The element size in bytes.
+
+    Raises:
+        TypeError: no NCCL type for ``dtype``.
+    """
     return NCCL_TYPES[dtype_name(dtype)][1]
 
 
 def numpy_dtype(dtype: Any) -> np.dtype:
-    """The numpy (ml_dtypes) dtype for a name, for building host/JAX arrays."""
+    """The numpy (ml_dtypes) dtype for a name, for building host/JAX arrays.
+
+    Args:
+        dtype: any spelling ``dtype_name`` takes.
+
+    Returns:
+        The numpy dtype; bfloat16 and FP8 come from ``ml_dtypes``.
+
+    Raises:
+        TypeError: no NCCL type for ``dtype``.
+        ImportError: bfloat16 or FP8 without ``ml_dtypes`` installed (JAX
+            brings it).
+    """
     name = dtype_name(dtype)
     if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes

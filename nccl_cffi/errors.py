@@ -12,7 +12,13 @@ class NcclError(RuntimeError):
     """The root of this package's errors. For a failed NCCL call, ``code`` is
     its ``ncclResult_t`` and ``last_error`` NCCL's own detail; errors this
     package raises itself (a deadline, a missing library) keep their class's
-    code. Picklable: they cross process boundaries in multi-process trainers."""
+    code. Picklable: they cross process boundaries in multi-process trainers.
+
+    Args:
+        message: what failed, and the fix where there is one.
+        code: the ``ncclResult_t``; None: the class's ``code``.
+        last_error: NCCL's ``ncclGetLastError`` text ("" where none).
+    """
 
     code: int = -1
 
@@ -40,26 +46,44 @@ class CudaError(NcclError):
 
 
 class UnhandledCudaError(NcclError):
+    """``ncclUnhandledCudaError`` (1): a CUDA call inside NCCL failed."""
+
     code = 1
 
 
 class NcclSystemError(NcclError):
+    """``ncclSystemError`` (2): a system call inside NCCL failed (sockets,
+    memory, shared memory)."""
+
     code = 2
 
 
 class InternalError(NcclError):
+    """``ncclInternalError`` (3): an internal check of NCCL failed (a bug in
+    NCCL, or memory corruption); also an init that reported success but
+    returned no handle."""
+
     code = 3
 
 
 class InvalidArgumentError(NcclError, ValueError):
+    """``ncclInvalidArgument`` (4): NCCL refused an argument (a bad pointer,
+    rank, count or type); a ``ValueError`` too."""
+
     code = 4
 
 
 class InvalidUsageError(NcclError):
+    """``ncclInvalidUsage`` (5): a call NCCL refuses as used; also a call on
+    a communicator that is closed (aborted or destroyed)."""
+
     code = 5
 
 
 class RemoteError(NcclError):
+    """``ncclRemoteError`` (6): a peer failed, most likely a network error or
+    a remote process that exited early."""
+
     code = 6
 
 

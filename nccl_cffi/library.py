@@ -40,7 +40,16 @@ _ENV_VARS = ("NCCL_LIBRARY", "VLLM_NCCL_SO_PATH")
 
 @dataclass(frozen=True)
 class LibraryInfo:
-    """Which libnccl this process uses, and why."""
+    """Which libnccl this process uses, and why.
+
+    Attributes:
+        path: the loaded file, symlinks resolved.
+        source: the step of the search order that chose it (e.g.
+            ``"$NCCL_LIBRARY"``).
+        version: (major, minor, patch).
+        version_code: NCCL's raw version code (e.g. 22809).
+        tried: the search log, one line per candidate looked at.
+    """
 
     path: str
     source: str
@@ -95,8 +104,8 @@ def _system_path() -> str | None:
         return None
     # dladdr on one of its symbols gives the file it came from
     class _DlInfo(ctypes.Structure):
-        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+        _fields_ = (("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p))
     libdl = ctypes.CDLL(ctypes.util.find_library("dl") or "libc.so.6")
     info = _DlInfo()
     addr = ctypes.cast(handle.ncclGetVersion, ctypes.c_void_p)
@@ -133,12 +142,45 @@ def split_version(code: int) -> tuple[int, int, int]:
     return code // 10000, (code % 10000) // 100, code % 100
 
 
+def _absent(source: str, explicit: bool) -> str:
+    """The search log's line for a candidate that names no file."""
+    if source == "path argument":
+        return f"{source}: none given"
+    if explicit:
+        return f"{source}: not set"
+    return source if ":" in source else f"{source}: not found"  # pathfinder says why
+
+
+def _try_open(candidate: str) -> tuple[object, int] | str:
+    """The opened library and its version code, or why it cannot be used."""
+    real = os.path.realpath(candidate)
+    if not os.path.isfile(real):
+        return f"{candidate} does not exist"
+    try:
+        lib = _open(real)
+        return lib, _version_of(lib)
+    except ffi.error:  # it loads, but has no ncclGetVersion
+        return f"{real} is not libnccl (it has no ncclGetVersion)"
+    except (OSError, AttributeError) as e:
+        return f"{real} did not load ({e})"
+
+
 def load_library(path: str | os.PathLike | None = None):
     """Open libnccl once per process and return the cffi library object.
 
     The first successful call fixes the library for the process: NCCL's
     global state lives in it, so two copies in one process would not know of
-    each other's communicators. A later call naming a different file raises.
+    each other's communicators.
+
+    Args:
+        path: the file to load (else the search order in the module docstring).
+
+    Returns:
+        The cffi library object.
+
+    Raises:
+        NcclLibraryNotFound: an explicit choice that cannot be used, or none found.
+        RuntimeError: a later call naming a different file.
     """
     global _lib, _info
     want = os.fspath(path) if path is not None else None
@@ -147,55 +189,58 @@ def load_library(path: str | os.PathLike | None = None):
             if want is not None and os.path.realpath(want) != _info.path:
                 raise RuntimeError(
                     f"libnccl is already loaded from {_info.path} ({_info.source}); "
-                    f"cannot switch to {want} in the same process"
-                )
+                    f"cannot switch to {want} in the same process")
             return _lib
         tried: list[str] = []
         for candidate, source, explicit in _candidates(want):
             if candidate is None:
-                tried.append(f"{source}: none given" if source == "path argument"
-                             else f"{source}: not set" if explicit
-                             else source if ":" in source  # pathfinder says why
-                             else f"{source}: not found")
+                tried.append(_absent(source, explicit))
                 continue
-            real = os.path.realpath(candidate)
-            if not os.path.isfile(real):
-                problem = f"{candidate} does not exist"
-            else:
-                try:
-                    lib = _open(real)
-                    code = _version_of(lib)
-                except (OSError, AttributeError, ffi.error) as e:
-                    # ffi.error: a library that loads but lacks ncclGetVersion (not NCCL)
-                    problem = (f"{real} is not libnccl (it has no ncclGetVersion)"
-                               if isinstance(e, ffi.error) else f"{real} did not load ({e})")
-                else:
-                    tried.append(f"{source}: {real} (loaded)")
-                    _lib = lib
-                    _info = LibraryInfo(real, source, split_version(code), code, tuple(tried))
-                    return _lib
-            tried.append(f"{source}: {problem}")
+            opened = _try_open(candidate)
+            if not isinstance(opened, str):
+                lib, code = opened
+                real = os.path.realpath(candidate)
+                tried.append(f"{source}: {real} (loaded)")
+                _lib, _info = lib, LibraryInfo(real, source, split_version(code), code,
+                                               tuple(tried))
+                return _lib
+            tried.append(f"{source}: {opened}")
             if explicit:
                 raise NcclLibraryNotFound(
-                    f"the libnccl chosen by {source} cannot be used: {problem}. Point it "
+                    f"the libnccl chosen by {source} cannot be used: {opened}. Point it "
                     "at the libnccl.so.2 your vLLM server loads, or unset it to use the "
                     "nvidia-nccl-cu13 wheel")
         raise NcclLibraryNotFound(
-            "no loadable libnccl found. Looked in:\n  " + "\n  ".join(tried)
-            + "\nInstall nvidia-nccl-cu13 (or -cu12) with pip, or point NCCL_LIBRARY "
-            "at the libnccl.so.2 your vLLM server uses."
-        )
+            "no loadable libnccl found (looked at " + "; ".join(tried) + "): install "
+            "nvidia-nccl-cu13 (or -cu12) with pip, or point NCCL_LIBRARY at the libnccl.so.2 "
+            "your vLLM server uses")
 
 
 def library_info() -> LibraryInfo:
-    """The loaded library's path, why it was chosen, its version and the search log."""
+    """The loaded library's path, why it was chosen, its version and the search log.
+
+    Loads the library first if no call has yet.
+
+    Returns:
+        The ``LibraryInfo``.
+
+    Raises:
+        NcclLibraryNotFound: no usable libnccl.
+    """
     load_library()
     assert _info is not None
     return _info
 
 
 def nccl_version() -> tuple[tuple[int, int, int], int]:
-    """((major, minor, patch), raw version code) of the loaded libnccl."""
+    """((major, minor, patch), raw version code) of the loaded libnccl.
+
+    Returns:
+        The version as a tuple, and NCCL's code for it (e.g. 22809).
+
+    Raises:
+        NcclLibraryNotFound: no usable libnccl.
+    """
     info = library_info()
     return info.version, info.version_code
 

@@ -2,10 +2,10 @@
 its HTTP calls.
 
 Why kept: ``Thread.start`` returns only once the new thread runs, which
-cost the caller 0.2-0.3 ms a thread on a 2-core host, and a push starts two
-(its NCCL calls' and its ``/update_weights`` call's); and ``ncclCommInitRank`` took
-~13 ms longer on a fresh thread than on one that had made one before
-(2 x H200, NCCL 2.28.9: 42 against 29 ms, medians of 11).
+the caller pays for every thread, and a push starts two (its NCCL calls'
+and its ``/update_weights`` call's); and ``ncclCommInitRank`` was measured
+slower on a fresh thread than on one that had made one before
+(docs/benchmarks.md, "Figures behind the design").
 
 Why daemon: a job stuck in NCCL or in an HTTP call to a stuck server must
 not keep the interpreter from exiting. A thread still inside such a job is

@@ -54,15 +54,30 @@ class Deadline:
         self.at = None if seconds is None else time.monotonic() + seconds
 
     def left(self) -> float | None:
-        """Seconds left (0.0 once passed); None without a deadline."""
+        """Seconds left (0.0 once passed); None without a deadline.
+
+        Returns:
+            The seconds left, never negative, or None.
+        """
         return None if self.at is None else max(self.at - time.monotonic(), 0.0)
 
     def passed(self) -> bool:
-        """Whether the deadline has passed."""
+        """Whether the deadline has passed.
+
+        Returns:
+            True once it has; False before, and always without a deadline.
+        """
         return self.at is not None and time.monotonic() >= self.at
 
     def cap(self, seconds: float | None) -> float | None:
-        """The smaller of ``seconds`` and the time left (None only if both are)."""
+        """The smaller of ``seconds`` and the time left (None only if both are).
+
+        Args:
+            seconds: a wait's own limit in seconds, or None.
+
+        Returns:
+            What that wait may take within this deadline, or None for no limit.
+        """
         left = self.left()
         if seconds is None:
             return left
@@ -197,12 +212,33 @@ class Job(Generic[T]):
     def wait(self, deadline: float | Callable[[], float | None] | None,
              check: Check = _nothing) -> bool:
         """``await_future`` on the job: True once it ended (its exception
-        raised), False past ``deadline``."""
+        raised), False past ``deadline``.
+
+        Args:
+            deadline: an instant of ``time.monotonic()``, a callable giving
+                one (or None while there is none yet), or None for no deadline.
+            check: called between polls; what it raises ends the wait (the
+                job goes on).
+
+        Returns:
+            True once the job ended; False once ``deadline`` has passed.
+
+        Raises:
+            BaseException: what the job raised, or what ``check`` raised.
+        """
         return await_future(self.future, deadline, check)
 
     def stop(self, grace: float) -> bool:
         """Make ``check`` raise inside the job; whether it ended within
-        ``grace`` seconds (then nothing of it runs any more)."""
+        ``grace`` seconds (then nothing of it runs any more).
+
+        Args:
+            grace: seconds to wait for the job to end (0 does not wait).
+
+        Returns:
+            True if the job ended, False if it still runs (inside a call
+            that does not return: see ``then``).
+        """
         self._stop.set()
         try:
             self.future.exception(timeout=grace)
@@ -212,7 +248,11 @@ class Job(Generic[T]):
 
     def then(self, cleanup: Callable[[Future[T]], None]) -> None:
         """Call ``cleanup(future)`` once the job ends: at once if it has,
-        else on the job's thread when its call returns."""
+        else on the job's thread when its call returns.
+
+        Args:
+            cleanup: called with the job's future, done.
+        """
         self.future.add_done_callback(cleanup)
 
     @property

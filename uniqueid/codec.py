@@ -30,7 +30,14 @@ class UniqueIdError(RendezvousError, ValueError):
 
 @dataclass(frozen=True)
 class UniqueId:
-    """An ``ncclUniqueId``. It is a credential for joining the group: never printed."""
+    """An ``ncclUniqueId``. It is a credential for joining the group: never printed.
+
+    Attributes:
+        raw: the id's ``UNIQUE_ID_BYTES`` bytes (left out of ``repr``).
+
+    Raises:
+        UniqueIdError: ``raw`` is not bytes, or not ``UNIQUE_ID_BYTES`` long.
+    """
 
     raw: bytes = field(repr=False)
 
@@ -43,17 +50,41 @@ class UniqueId:
 
     @classmethod
     def mint(cls) -> UniqueId:
-        """A fresh id from ``ncclGetUniqueId``; this process must outlive every rank's init."""
+        """A fresh id from ``ncclGetUniqueId``; this process must outlive every rank's init.
+
+        Returns:
+            The new id.
+
+        Raises:
+            NcclLibraryNotFound: no usable libnccl.
+            NcclError: ``ncclGetUniqueId`` failed.
+        """
         from nccl_cffi import get_unique_id
         return cls(get_unique_id())
 
     def to_b64(self) -> str:
-        """Standard RFC 4648 base64 with padding: what ``nccl_unique_id_b64`` carries."""
+        """Standard RFC 4648 base64 with padding: what ``nccl_unique_id_b64`` carries.
+
+        Returns:
+            ``B64_LENGTH`` ASCII characters.
+        """
         return base64.b64encode(self.raw).decode("ascii")
 
     @classmethod
     def from_b64(cls, text: str) -> UniqueId:
-        """Decode with exactly vLLM's rules; the error names the rule broken."""
+        """Decode with exactly vLLM's rules; the error names the rule broken.
+
+        Args:
+            text: the ``nccl_unique_id_b64`` value.
+
+        Returns:
+            The id.
+
+        Raises:
+            UniqueIdError: not a non-empty str, whitespace, the URL-safe
+                alphabet, misplaced or missing padding, other characters, or
+                not ``UNIQUE_ID_BYTES`` once decoded.
+        """
         if not isinstance(text, str):
             raise UniqueIdError(f"nccl_unique_id_b64 must be a string, got {type(text).__name__}")
         if not text:
@@ -104,7 +135,21 @@ def redact(text: str) -> str:
 
 def check_rendezvous_mode(*, nccl_unique_id_b64: str | None, master_address: str | None,
                           master_port: int | None) -> UniqueId | None:
-    """vLLM's rule: the unique id, or master address and port, never both nor neither."""
+    """vLLM's rule: the unique id, or master address and port, never both nor neither.
+
+    Args:
+        nccl_unique_id_b64: the id in base64, or None (or "") on the
+            master-address path.
+        master_address: the rendezvous host of the other path, or None.
+        master_port: the rendezvous port of the other path, or None.
+
+    Returns:
+        The decoded id, or None on the master-address path.
+
+    Raises:
+        UniqueIdError: both paths given or neither, or an id ``from_b64``
+            refuses.
+    """
     has_uid = bool(nccl_unique_id_b64)
     if has_uid and (master_address is not None or master_port is not None):
         raise UniqueIdError("pass nccl_unique_id_b64 OR master_address/master_port, not both")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +67,7 @@ def warm_up(comm: Communicator, timeout: float | None,
 
     Raises:
         NcclError: the collective failed or overran ``timeout`` (``comm`` aborted).
+        CudaError: its scratch buffer or stream cannot be made.
     """
     mem = cuda.DeviceMemory(8, comm.device)
     stream = cuda.Stream(comm.device)
@@ -119,6 +121,8 @@ def handshake(world_size: int, unique_id: UniqueId, rank: int, device: int, *,
         The communicator, warmed up.
 
     Raises:
+        ValueError: ``world_size``, ``rank`` or ``device`` out of range.
+        CudaError: ``device`` cannot be used.
         NcclTimeoutError: the other ranks did not join in time.
         NcclError: NCCL refused (a version mismatch, a duplicate GPU, ...).
     """
@@ -132,12 +136,46 @@ class Joiner(Protocol):
     bootstrap listener in this process), and the join itself. The default is
     NCCL's (``NCCL_JOIN``); tests on machines without a GPU pass their own."""
 
-    def preflight(self, device: int) -> None: ...
+    def preflight(self, device: int) -> None:
+        """Check that the trainer can join, before any server is told to.
 
-    def mint(self) -> UniqueId: ...
+        Args:
+            device: the trainer's CUDA ordinal.
+
+        Raises:
+            CudaError, NcclLibraryNotFound: it cannot (NCCL's ``preflight``).
+        """
+        ...
+
+    def mint(self) -> UniqueId:
+        """A fresh id for the group (NCCL's: ``UniqueId.mint``).
+
+        Returns:
+            The id.
+        """
+        ...
 
     def join(self, world_size: int, unique_id: UniqueId, rank: int, device: int, *,
-             timeout: float | None, check: Callable[[], None]) -> Communicator: ...
+             timeout: float | None, check: Callable[[], None]) -> Communicator:
+        """Join the group as ``rank``, warm-up included (NCCL's: ``handshake``).
+
+        Args:
+            world_size: every rank of the group.
+            unique_id: the group's id.
+            rank: the trainer's rank (0 for the process that connects).
+            device: its CUDA ordinal.
+            timeout: seconds for the whole join.
+            check: polled while waiting; what it raises gives the join up.
+
+        Returns:
+            The communicator, warmed up.
+
+        Raises:
+            NcclTimeoutError: the other ranks did not join within ``timeout``.
+            NcclError: the join failed.
+            BaseException: what ``check`` raised.
+        """
+        ...
 
 
 class _NcclJoin:
@@ -159,7 +197,15 @@ NCCL_JOIN: Joiner = _NcclJoin()
 class Connection:
     """The trainer's end of one transfer group: the communicator, and the
     servers (each with its own ``init_info``) whose workers joined it.
-    ``owns_clients``: ``close()`` closes the HTTP clients too (it made them)."""
+
+    Attributes:
+        comm: the trainer's communicator.
+        clients: the servers, in rank order.
+        init_infos: what each server was told at init.
+        device: the trainer's CUDA ordinal.
+        unique_id: the group's id (left out of ``repr``).
+        owns_clients: ``close()`` closes the HTTP clients too (it made them).
+    """
 
     comm: Communicator
     clients: list[VLLMClient]
@@ -170,10 +216,12 @@ class Connection:
 
     @property
     def client(self) -> VLLMClient:
+        """The first server's client (the only one with a single server)."""
         return self.clients[0]
 
     @property
     def init_info(self) -> InitInfo:
+        """The first server's ``init_info`` (the wire geometry is the same for all)."""
         return self.init_infos[0]
 
     def close(self, *, deadline: Deadline | None = None, shutdown_servers: bool = True,
@@ -221,8 +269,11 @@ def release(client: VLLMClient, deadline: Deadline) -> None:
         deadline: bounds the whole release.
 
     Raises:
-        ServerStuck: the server's engine did not answer in time.
+        ServerStuck: the server's engine did not answer in time (or the
+            deadline had passed).
         VLLMHTTPError: it refused, and there was no session to finish.
+        VLLMConnectionError, VLLMProtocolError: it could not be reached, or
+            answered what vLLM never does.
     """
     try:
         try:
@@ -259,8 +310,15 @@ def _made_here(servers: Servers) -> bool:
 def as_clients(servers: Servers) -> list[VLLMClient]:
     """One URL, one client, or a list of either, as clients.
 
+    Args:
+        servers: a URL (``http://host:port``), a ``VLLMClient``, or a
+            sequence of either.
+
+    Returns:
+        One client per server, in order: those given, and new ones for URLs.
+
     Raises:
-        ValueError: no server given.
+        ValueError: no server given, or a URL that is not http(s).
     """
     if isinstance(servers, (str, VLLMClient)):
         servers = [servers]
@@ -275,9 +333,22 @@ def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | No
     """Each server's worker count: ``workers`` as given, else asked (each
     ``/get_world_size`` within ``deadline``); checked sane either way.
 
+    Args:
+        clients: the servers.
+        workers: one count per server, one count for a single server, or
+            None to ask each.
+        deadline: bounds the questions (60 s each without one).
+
+    Returns:
+        One worker count per server.
+
     Raises:
         RendezvousError: a count that is not a positive int of at most
-            ``MAX_WORKERS``, or not one per server.
+            ``MAX_WORKERS``, or not one per server; or a server's
+            ``/get_world_size`` failed (its ``VLLMHTTPError``,
+            ``VLLMConnectionError`` or ``VLLMProtocolError``).
+        RendezvousTimeout: the deadline passed before a server was asked.
+        VLLMTimeout: a server did not answer within the deadline.
     """
     if isinstance(workers, int):
         workers = [workers]
@@ -329,8 +400,12 @@ def connect(servers: Servers, *, device: int = 0,
     Raises:
         CudaError, NcclLibraryNotFound: the trainer cannot join (nothing
             was posted).
-        RendezvousError: a server refused, or a setting is invalid.
+        ValueError: no server given, or a URL that is not http(s).
+        RendezvousError: a server refused, or a setting is invalid; also a
+            server's ``/get_world_size`` failing (a ``VLLMHTTPError``, ...).
         RendezvousTimeout: the group did not form within ``timeout``.
+        NcclError: NCCL could not mint the id, or refused the trainer's init
+            or warm-up (a version mismatch, a duplicate GPU, ...).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
         raise RendezvousError(f"connect's timeout must be a positive number of seconds, got "
@@ -367,34 +442,28 @@ def _init_infos(uid: UniqueId, workers: Sequence[int], trainer_ranks: int,
 def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Joiner,
           device: int, deadline: Deadline) -> Communicator:
     """Post each server's init and join the group, within ``deadline``."""
-    world_size = infos[0].world_size
-    futures = [in_background(_post_init, c, i, deadline, name="vllm-init")
-               for c, i in zip(clients, infos)]
+    inits = [in_background(_post_init, c, i, deadline, name="vllm-init")
+             for c, i in zip(clients, infos)]
 
     def server_refused() -> None:
-        for f in futures:
+        for f in inits:
             if f.done() and f.exception() is not None:
                 f.result()
 
     left = deadline.left()
     try:
-        comm = joiner.join(world_size, infos[0].unique_id, 0, device,
+        comm = joiner.join(infos[0].world_size, infos[0].unique_id, 0, device,
                            timeout=left - min(_ANSWER_RESERVE * left, _ANSWER_RESERVE_MAX_S),
                            check=server_refused)
     except RendezvousError as e:
         raise RendezvousError(
             f"the server refused init while the trainer waited in ncclCommInitRank: {e}. "
-            "The trainer's init was given up; fix the cause and connect again") from e
+            f"The trainer's init was given up; fix the cause and connect again"
+            f"{_left_waiting(clients, inits)}") from e
     except NcclTimeoutError as e:
-        answered = [c.base_url for c, f in zip(clients, futures)
-                    if f.done() and f.exception() is None]
-        why = ("; the server answered 200 but its workers never joined: is it running "
-               f"with VLLM_DISABLE_PYNCCL=1, is world_size {world_size} larger than the "
-               f"trainer ranks + its workers, or did a trainer rank not join? "
-               f"({', '.join(answered)})") if answered else ""
-        raise RendezvousTimeout(f"{e}{why}") from e
+        raise RendezvousTimeout(f"{e}{_never_joined(clients, inits, infos[0].world_size)}") from e
     try:
-        for c, f in zip(clients, futures):
+        for c, f in zip(clients, inits):
             if not await_future(f, deadline.at):
                 raise RendezvousTimeout(f"the workers joined but {c.base_url}"
                                         "/init_weight_transfer_engine did not answer in time")
@@ -404,6 +473,27 @@ def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Join
             raise
         raise RendezvousError(f"the server failed init after the group formed: {e}") from e
     return comm
+
+
+def _left_waiting(clients: Sequence[VLLMClient], inits: Sequence[Future]) -> str:
+    """The servers that took an init the trainer gave up: their workers may
+    wait inside NCCL for ranks that will not come."""
+    waiting = [c.base_url for c, f in zip(clients, inits) if not f.done()]
+    if not waiting:
+        return ""
+    return (f"; {', '.join(waiting)} took the init and may now wait inside NCCL for ranks "
+            "that will not come (vLLM sets no deadline there): restart them if their next "
+            "init times out")
+
+
+def _never_joined(clients: Sequence[VLLMClient], inits: Sequence[Future], world_size: int) -> str:
+    """Why servers that answered their init may still not have joined."""
+    answered = [c.base_url for c, f in zip(clients, inits) if f.done() and f.exception() is None]
+    if not answered:
+        return ""
+    return ("; the server answered 200 but its workers never joined: is it running with "
+            f"VLLM_DISABLE_PYNCCL=1, is world_size {world_size} larger than the trainer ranks "
+            f"+ its workers, or did a trainer rank not join? ({', '.join(answered)})")
 
 
 def _post_init(client: VLLMClient, info: InitInfo, deadline: Deadline) -> None:

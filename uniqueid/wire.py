@@ -63,7 +63,31 @@ def _construct(cls, payload: dict[str, Any], what: str):
 
 @dataclass(kw_only=True)
 class InitInfo:
-    """``init_info`` of ``POST /init_weight_transfer_engine`` (unique-id path)."""
+    """``init_info`` of ``POST /init_weight_transfer_engine`` (unique-id path).
+
+    Attributes:
+        nccl_unique_id_b64: the group's id (``UniqueId.to_b64``); None or ""
+            on vLLM's master-address path. Left out of ``repr``.
+        rank_offset: the group rank of this server's first worker (the
+            ranks before it: the trainer's, and earlier servers' workers).
+        world_size: every rank of the group, trainer's and workers'.
+        packed: the workers receive packed chunks (vLLM's packed mode).
+        packed_buffer_size_bytes: the chunk size both sides cut by.
+        packed_num_buffers: the chunks in flight at once.
+        use_load_plan: ship ``metadata`` at init [newer vLLM; 0.33.0 refuses it].
+        metadata: with ``use_load_plan``, ``[name, dtype_name, shape]`` of
+            every tensor the workers may receive.
+        master_address, master_port: vLLM's other rendezvous path, which
+            ``from_payload`` accepts as the worker does; None here.
+
+    Raises:
+        UniqueIdError: both rendezvous paths or neither, or an id vLLM
+            would refuse.
+        TypeError: an int or bool field of another type.
+        ValueError: ``rank_offset`` below 1, ``world_size`` below 2 or not
+            above ``rank_offset``, a buffer size or count below 1, or
+            ``use_load_plan`` without ``metadata``.
+    """
 
     nccl_unique_id_b64: str = field(repr=False)
     rank_offset: int
@@ -93,11 +117,19 @@ class InitInfo:
 
     @property
     def unique_id(self) -> UniqueId | None:
+        """The id ``nccl_unique_id_b64`` carries, decoded; None on the
+        master-address path. Raises ``UniqueIdError`` as ``check_rendezvous_mode``."""
         return check_rendezvous_mode(nccl_unique_id_b64=self.nccl_unique_id_b64,
                                      master_address=self.master_address,
                                      master_port=self.master_port)
 
     def to_payload(self) -> dict[str, Any]:
+        """The JSON object vLLM reads as ``init_info``.
+
+        Returns:
+            A dict of JSON types: the rendezvous keys in use, the group and
+            wire geometry, and ``use_load_plan``/``metadata`` only when set.
+        """
         # Only the rendezvous mode in use, as vLLM's trainer sends it.
         mode = ({"nccl_unique_id_b64": self.nccl_unique_id_b64} if self.nccl_unique_id_b64
                 else {"master_address": self.master_address, "master_port": self.master_port})
@@ -116,7 +148,19 @@ class InitInfo:
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> InitInfo:
-        """Parse like vLLM's worker: unknown keys and bad ids are errors."""
+        """Parse like vLLM's worker: unknown keys and bad ids are errors.
+
+        Args:
+            payload: the ``init_info`` object; ``packed`` defaults to false,
+                as the worker's does.
+
+        Returns:
+            The parsed ``InitInfo``.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a field missing
+                or invalid (vLLM's message).
+        """
         info = dict(payload) if isinstance(payload, dict) else payload
         if isinstance(info, dict):
             info.setdefault("packed", False)  # the worker's default
@@ -134,6 +178,17 @@ class UpdateInfo:
     """``update_info`` of ``POST /update_weights`` (dense ``nccl`` backend).
 
     All three lists empty means "same as the previous call".
+
+    Attributes:
+        names: the checkpoint name of each tensor, in broadcast order.
+        dtype_names: each tensor's torch dtype name, e.g. ``"bfloat16"``.
+        shapes: each tensor's shape.
+        src: the group rank that broadcasts [newer vLLM]; left out of the
+            payload when 0, so 0.33.0 servers can read it.
+
+    Raises:
+        ValueError: lists of different lengths, or a negative ``src``.
+        TypeError: ``src`` is not an int.
     """
 
     names: list[str] = field(default_factory=list)
@@ -147,9 +202,15 @@ class UpdateInfo:
 
     @property
     def reuse(self) -> bool:
+        """Whether this asks for the previous call's tensors again (no names listed)."""
         return not self.names
 
     def to_payload(self) -> dict[str, Any]:
+        """The JSON object vLLM reads as ``update_info``.
+
+        Returns:
+            A dict of JSON types; ``src`` only when it is not 0.
+        """
         out = _tensor_lists(self)
         if self.src:  # [newer]; omitted when 0 so 0.33.0 servers can read it
             out["src"] = self.src
@@ -157,6 +218,18 @@ class UpdateInfo:
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> UpdateInfo:
+        """Parse like vLLM's worker.
+
+        Args:
+            payload: the ``update_info`` object.
+
+        Returns:
+            The parsed ``UpdateInfo``.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or an invalid field
+                (vLLM's message).
+        """
         return _construct(cls, payload, "update_info")
 
 
@@ -167,6 +240,17 @@ class SparseUpdateInfo:
     Per tensor, ``num_updates_list[i]`` changed elements follow as two
     broadcasts: int32 flat indices, then the values in ``dtype_names[i]``.
     There is no metadata reuse: every call lists its tensors.
+
+    Attributes:
+        names: the checkpoint name of each tensor, in broadcast order.
+        dtype_names: each tensor's torch dtype name (its values' dtype).
+        shapes: each tensor's shape.
+        num_updates_list: each tensor's count of changed elements.
+
+    Raises:
+        ValueError: lists of different lengths, an empty
+            ``num_updates_list``, or a negative count.
+        TypeError: a count that is not an int.
     """
 
     names: list[str]
@@ -183,9 +267,26 @@ class SparseUpdateInfo:
             _need_int("num_updates_list entries", k, 0)
 
     def to_payload(self) -> dict[str, Any]:
+        """The JSON object vLLM reads as ``update_info``.
+
+        Returns:
+            A dict of JSON types.
+        """
         return {**_tensor_lists(self),
                 "num_updates_list": [int(k) for k in self.num_updates_list]}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> SparseUpdateInfo:
+        """Parse like vLLM's worker.
+
+        Args:
+            payload: the ``update_info`` object.
+
+        Returns:
+            The parsed ``SparseUpdateInfo``.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a field missing
+                or invalid (vLLM's message).
+        """
         return _construct(cls, payload, "update_info")

@@ -7,7 +7,7 @@ the largest multi-tensor chunk, used in turn: chunk *k* goes to slot
 *k mod n*, and its copies wait, on the GPU, for the broadcast that last read
 that slot. The host never waits on a broadcast in the middle of a chunk, and
 no chunk ever lands on bytes still being sent (a ring of uneven chunks made
-the host wait in 59 of the 61 chunks of a 70 GB push). A chunk that is a
+the host wait in most chunks of a large push). A chunk that is a
 single tensor (any tensor larger than the buffer) is broadcast straight from
 the JAX buffer, with no copy. At most ``num_buffers`` broadcasts are in
 flight. Extra device memory: ``num_buffers`` x the largest multi-tensor
@@ -240,43 +240,9 @@ class Broadcaster:
         in place instead of allocating. Without, ``spare`` is always None.
         """
         self._begin()
-        ahead: deque[jax.Array] = deque()
-        made = 0
-
-        def spare_for(k: int) -> jax.Array | None:
-            c = chunks[k]
-            return None if c.single else next(
-                (a for a in self._spares if a.nbytes == c.nbytes), None)
-
-        def can_make() -> bool:
-            alive = len(ahead) + len(self._inflight) + len(self._spares)
-            return made < len(chunks) and (alive < self.num_buffers
-                                           or spare_for(made) is not None)
-
-        def free_one() -> None:
-            """Make room for one buffer: drop a spare no chunk left needs, else
-            wait for the oldest broadcast, else drop the spare needed last."""
-            needed = [c.nbytes for c in chunks[made:] if not c.single]
-            useless = [a for a in self._spares if a.nbytes not in needed]
-            if useless or not self._inflight:
-                drop = useless[0] if useless else max(
-                    self._spares, key=lambda a: needed.index(a.nbytes))
-                self._spares = [a for a in self._spares if a is not drop]
-            else:
-                self._retire_oldest(timeout, check)
-
+        ahead = _Ahead(self, chunks, make)
         for c in chunks:
-            while True:  # make what may be made; with nothing made, make room
-                if can_make():
-                    spare = spare_for(made)
-                    self._spares = [a for a in self._spares if a is not spare]
-                    ahead.append(make(made, spare))
-                    made += 1
-                elif ahead:
-                    break
-                else:
-                    free_one()
-            arr = ahead.popleft()
+            arr = ahead.next(timeout, check)
             t = time.perf_counter()
             poll_until(arr.is_ready, timeout, check=check, on_timeout=lambda: TimeoutError(
                 f"XLA did not finish packing a chunk within {timeout}s"))
@@ -337,6 +303,53 @@ class Broadcaster:
         self.drain(timeout, check)
         self.scratch(parts[done:], root, timeout=timeout, check=check,
                      fill=None if fill is None else lambda k: fill(done + k))
+
+
+class _Ahead:
+    """The chunks ``Broadcaster.produced`` makes ahead of their broadcasts:
+    while fewer than ``num_buffers`` buffers are alive (made, in flight, or
+    spare), or a spare of the right size is at hand."""
+
+    def __init__(self, b: Broadcaster, chunks: Sequence[Chunk], make: Make):
+        self.b, self.chunks, self.make = b, chunks, make
+        self.ahead: deque[jax.Array] = deque()
+        self.made = 0
+
+    def next(self, timeout: float | None, check: Check) -> jax.Array:
+        """The next chunk to broadcast (dispatched), after making what may be
+        made; with nothing made, room is made first."""
+        while True:
+            if self._can_make():
+                spare = self._spare_for(self.made)
+                self.b._spares = [a for a in self.b._spares if a is not spare]
+                self.ahead.append(self.make(self.made, spare))
+                self.made += 1
+            elif self.ahead:
+                return self.ahead.popleft()
+            else:
+                self._free_one(timeout, check)
+
+    def _spare_for(self, k: int) -> jax.Array | None:
+        c = self.chunks[k]
+        return None if c.single else next(
+            (a for a in self.b._spares if a.nbytes == c.nbytes), None)
+
+    def _can_make(self) -> bool:
+        alive = len(self.ahead) + len(self.b._inflight) + len(self.b._spares)
+        return self.made < len(self.chunks) and (alive < self.b.num_buffers
+                                                 or self._spare_for(self.made) is not None)
+
+    def _free_one(self, timeout: float | None, check: Check) -> None:
+        """Make room for one buffer: drop a spare no chunk left needs, else
+        wait for the oldest broadcast, else drop the spare needed last."""
+        b = self.b
+        needed = [c.nbytes for c in self.chunks[self.made:] if not c.single]
+        useless = [a for a in b._spares if a.nbytes not in needed]
+        if useless or not b._inflight:
+            drop = useless[0] if useless else max(b._spares, key=lambda a: needed.index(a.nbytes))
+            b._spares = [a for a in b._spares if a is not drop]
+        else:
+            b._retire_oldest(timeout, check)
 
 
 def parts_of(metas: Sequence[TensorMeta], chunks: Sequence[Chunk] | None) -> list[Part]:

@@ -83,7 +83,12 @@ class SendConfig:
 
     def wire(self) -> dict[str, Any]:
         """The geometry the workers are told at init (``InitInfo``'s keys), so
-        both sides cut chunks alike: derived here alone."""
+        both sides cut chunks alike: derived here alone.
+
+        Returns:
+            ``packed``, ``packed_buffer_size_bytes`` and ``packed_num_buffers``,
+            as keyword arguments of ``InitInfo`` and ``uniqueid.connect``.
+        """
         return {"packed": self.packed, "packed_buffer_size_bytes": self.buffer_size_bytes,
                 "packed_num_buffers": self.num_buffers}
 

@@ -31,22 +31,55 @@ def key_str(entry: Any) -> str:
 
 
 def flatten(tree: Any) -> list[tuple[Path, Any]]:
-    """(path, leaf) pairs in the pytree's deterministic order."""
+    """(path, leaf) pairs in the pytree's deterministic order.
+
+    Args:
+        tree: any JAX pytree.
+
+    Returns:
+        One ``(path, leaf)`` per leaf, the path a tuple of strings (dict
+        keys, attribute names, and indices as strings).
+    """
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [(tuple(key_str(k) for k in path), leaf) for path, leaf in leaves]
 
 
 def dotted(path: Path) -> str:
+    """The default checkpoint name: the path's keys joined by dots.
+
+    Args:
+        path: a pytree path.
+
+    Returns:
+        E.g. ``"layers_0.mlp.kernel"``.
+    """
     return ".".join(path)
 
 
 def identity(_: Path, array: Any) -> Any:
+    """The default transform: ``array`` unchanged.
+
+    Args:
+        _: the pytree path (unused).
+        array: the leaf.
+
+    Returns:
+        ``array`` itself.
+    """
     return array
 
 
 @dataclass(frozen=True)
 class Mapping:
-    """Pytree path -> checkpoint name, and an optional per-tensor transform."""
+    """Pytree path -> checkpoint name, and an optional per-tensor transform.
+
+    Attributes:
+        name: ``name(path)``, the checkpoint name vLLM loads for a leaf
+            (default: the path joined by dots).
+        transform: ``transform(path, array)``, the array to send for a leaf,
+            e.g. transposed or cast; traced with ``jax.eval_shape`` to learn
+            its metadata (default: the array unchanged).
+    """
 
     name: Callable[[Path], str] = dotted
     transform: Callable[[Path, Any], Any] = identity
@@ -82,6 +115,17 @@ def named_arrays(params: Any, mapping: Mapping = Mapping()) -> list[tuple[str, P
 
     Pairs keep their names (the path is ``(name,)`` for the transform); a
     pytree's names come from ``mapping.name``.
+
+    Args:
+        params: a pytree of arrays, or an iterable of ``(name, array)`` pairs.
+        mapping: names the pytree's leaves (its transform is not applied).
+
+    Returns:
+        One ``(name, path, array)`` per tensor, in tree or pair order.
+
+    Raises:
+        MetadataError: pairs with a name that is not a non-empty str, or
+            (from ``llama_name``) a path it has no name for.
     """
     if isinstance(params, Iterator):
         params = list(params)
@@ -100,7 +144,18 @@ _LAYER = re.compile(r"layers_(\d+)")
 
 
 def llama_name(path: Path) -> str:
-    """Hugging Face name for a Llama/Qwen2/Qwen3 Flax parameter path."""
+    """Hugging Face name for a Llama/Qwen2/Qwen3 Flax parameter path.
+
+    Args:
+        path: the parameter's path in the Flax tree (a leading ``"params"``
+            is skipped), as laid out above.
+
+    Returns:
+        The checkpoint name, e.g. ``"model.layers.0.self_attn.q_proj.weight"``.
+
+    Raises:
+        MetadataError: a path outside that layout.
+    """
     parts = [p for p in path if p != "params"]
     if parts[:1] == ["embed_tokens"]:
         return "model.embed_tokens.weight"
@@ -118,7 +173,15 @@ def llama_name(path: Path) -> str:
 
 
 def llama_transform(path: Path, array: Any) -> Any:
-    """Dense kernels ``(in, out)`` -> torch ``(out, in)``; everything else unchanged."""
+    """Dense kernels ``(in, out)`` -> torch ``(out, in)``; everything else unchanged.
+
+    Args:
+        path: the parameter's path; a last key ``"kernel"`` marks a kernel.
+        array: the parameter.
+
+    Returns:
+        ``array.T`` for a kernel, else ``array``.
+    """
     if path[-1] == "kernel":
         return array.T
     return array

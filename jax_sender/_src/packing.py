@@ -11,10 +11,9 @@ of allocating: a blocking push's chunk buffers are written again once their
 broadcasts are done, an asynchronous push's by the next asynchronous push.
 The same calls are the asynchronous push's snapshot (the copies it has to
 make anyway, already laid out for the wire), which runs before the
-trainer's next step, so its speed is the step's: one 1 GB chunk of 91
-tensors took 2.2-2.7 ms concatenated (``chunk_packer``, which a chunk of one
-tensor still uses) and 1.5-1.6 ms written in place (dispatch and GPU,
-H200, two runs).
+trainer's next step, so its speed is the step's: written in place it beat
+concatenation (``chunk_packer``, which a chunk of one tensor still uses;
+docs/benchmarks.md, "Figures behind the design").
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from jax import lax
 from .plan import Chunk, TensorMeta
 
 # Tensors per jitted chunk at most: compiling one call grows faster than
-# linearly with its inputs (a concatenation: about 0.25 s for 256, 8 s for
-# 4,096); a chunk of more tensors is packed by copies instead
+# linearly with its inputs (docs/benchmarks.md, "Figures behind the
+# design"); a chunk of more tensors is packed by copies instead
 # (``Broadcaster.packed``).
 MAX_TENSORS = 256
 
@@ -41,10 +40,9 @@ Transform = Callable[[Any, Any], Any]
 def unit_of(metas: Sequence[TensorMeta]) -> Any:
     """The widest of uint32, uint16 and uint8 that divides every tensor's bytes.
 
-    XLA's copies cost per element: one 1 GB chunk of bfloat16 tensors took
-    5.3 ms to concatenate as bytes and 1.6 ms as 32-bit words on an H200 (a
-    chunk's offsets are then multiples of the unit too). 64-bit words would
-    need JAX's x64 mode."""
+    XLA's copies cost per element, so wider words pack a chunk faster
+    (docs/benchmarks.md, "Figures behind the design"); a chunk's offsets are
+    then multiples of the unit too. 64-bit words would need JAX's x64 mode."""
     for unit in (jnp.uint32, jnp.uint16):
         size = jnp.dtype(unit).itemsize
         if all(m.nbytes % size == 0 for m in metas):

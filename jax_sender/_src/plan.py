@@ -27,7 +27,13 @@ WIRE_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """One tensor as the worker sees it: checkpoint name, torch dtype name, shape."""
+    """One tensor as the worker sees it: checkpoint name, torch dtype name, shape.
+
+    Attributes:
+        name: the checkpoint name vLLM loads, e.g. ``"model.norm.weight"``.
+        dtype: the torch dtype name, one of ``WIRE_DTYPES``.
+        shape: the tensor's shape.
+    """
 
     name: str
     dtype: str
@@ -35,15 +41,29 @@ class TensorMeta:
 
     @cached_property  # read per tensor on a push's hot path
     def numel(self) -> int:
+        """The tensor's element count."""
         return math.prod(self.shape)
 
     @cached_property
     def nbytes(self) -> int:
+        """The tensor's size in bytes."""
         return self.numel * NCCL_TYPES[self.dtype][1]
 
     @classmethod
     def of(cls, name: str, array) -> TensorMeta:
-        """Metadata of an array (or ``jax.ShapeDtypeStruct``), dtype checked for the wire."""
+        """Metadata of an array (or ``jax.ShapeDtypeStruct``), dtype checked for the wire.
+
+        Args:
+            name: the tensor's checkpoint name.
+            array: anything with ``dtype`` and ``shape``.
+
+        Returns:
+            Its metadata.
+
+        Raises:
+            MetadataError: a dtype vLLM's NCCL receiver cannot take (not in
+                ``WIRE_DTYPES``).
+        """
         try:
             dt = dtype_name(array.dtype)
         except TypeError:
@@ -55,7 +75,15 @@ class TensorMeta:
         return cls(name, dt, tuple(int(d) for d in array.shape))
 
     def check(self, array) -> None:
-        """Raise unless a transform's output ``array`` is what was declared."""
+        """Raise unless a transform's output ``array`` is what was declared.
+
+        Args:
+            array: the transform's output for this tensor.
+
+        Raises:
+            MetadataError: its dtype or shape differs from this metadata, or
+                its dtype cannot go on the wire.
+        """
         got = TensorMeta.of(self.name, array)
         if got != self:
             raise MetadataError(f"{self.name!r}: the transform gave {got.dtype} {got.shape}, "
@@ -64,7 +92,14 @@ class TensorMeta:
 
 @dataclass(frozen=True, kw_only=True)
 class Chunk:
-    """Tensors ``[start, stop)`` laid end to end; ``offsets`` are byte offsets in the chunk."""
+    """Tensors ``[start, stop)`` laid end to end; ``offsets`` are byte offsets in the chunk.
+
+    Attributes:
+        start: the index of its first tensor (in the order planned).
+        stop: one past the index of its last tensor.
+        nbytes: the chunk's bytes, which the workers receive in one broadcast.
+        offsets: each tensor's byte offset in the chunk, in order.
+    """
 
     start: int
     stop: int
@@ -73,11 +108,27 @@ class Chunk:
 
     @property
     def single(self) -> bool:
+        """Whether the chunk holds one tensor only (broadcast from that
+        tensor's own buffer, with no copy)."""
         return self.stop - self.start == 1
 
 
 def plan_chunks(metas: Sequence[TensorMeta], buffer_size: int) -> list[Chunk]:
-    """Chunk boundaries exactly as vLLM's ``packed_nccl_broadcast_consumer`` cuts them."""
+    """Chunk boundaries exactly as vLLM's ``packed_nccl_broadcast_consumer`` cuts them.
+
+    A chunk ends right after the tensor that takes its bytes strictly past
+    ``buffer_size``; no tensor is split, so a chunk may exceed the buffer.
+
+    Args:
+        metas: the tensors, in the order they are sent.
+        buffer_size: ``packed_buffer_size_bytes``, the workers' chunk size.
+
+    Returns:
+        The chunks, in order, covering every tensor once (none for no tensors).
+
+    Raises:
+        ValueError: ``buffer_size`` below 1.
+    """
     if buffer_size < 1:
         raise ValueError(f"buffer size must be positive, got {buffer_size}")
     chunks: list[Chunk] = []
@@ -120,6 +171,16 @@ def wire_order(metas: Sequence[TensorMeta], buffer_size: int) -> list[int]:
     would fail mid-stream): then they go by decreasing dtype size, which
     aligns every offset (each tensor's bytes are a multiple of every smaller
     power-of-two size).
+
+    Args:
+        metas: the tensors, in checkpoint (tree) order.
+        buffer_size: ``packed_buffer_size_bytes``, the workers' chunk size.
+
+    Returns:
+        A permutation of ``range(len(metas))``: the indices in wire order.
+
+    Raises:
+        ValueError: ``buffer_size`` below 1.
     """
     big = [i for i, m in enumerate(metas) if m.nbytes > buffer_size]
     rest = [i for i, m in enumerate(metas) if m.nbytes <= buffer_size]
@@ -164,6 +225,12 @@ class LoadPlan:
     update must only send tensors declared there, with the declared dtype and
     shape (a subset is fine). The trainer checks before contacting the
     workers; the workers check again, for trainers that drive them out of band.
+
+    Args:
+        metas: every tensor the workers may receive.
+
+    Raises:
+        MetadataError: a name that appears twice.
     """
 
     def __init__(self, metas: Sequence[TensorMeta]):
@@ -173,7 +240,18 @@ class LoadPlan:
 
     @classmethod
     def from_payload(cls, metadata: Sequence[Sequence[Any]]) -> LoadPlan:
-        """From ``init_info["metadata"]``: ``[[name, dtype_name, shape], ...]``."""
+        """From ``init_info["metadata"]``: ``[[name, dtype_name, shape], ...]``.
+
+        Args:
+            metadata: one ``[name, dtype_name, shape]`` triple per tensor.
+
+        Returns:
+            The plan.
+
+        Raises:
+            MetadataError: an entry that is not such a triple, or a name
+                that appears twice.
+        """
         try:
             return cls([TensorMeta(str(n), str(d), tuple(int(x) for x in s))
                         for n, d, s in metadata])
@@ -182,10 +260,23 @@ class LoadPlan:
                                 f"triples: {e}") from e
 
     def to_payload(self) -> list[list[Any]]:
+        """``init_info["metadata"]``, as ``InitInfo.metadata`` carries it.
+
+        Returns:
+            One ``[name, dtype_name, shape]`` list per tensor, JSON types only.
+        """
         return [[m.name, m.dtype, list(m.shape)] for m in self.metas]
 
     def check(self, metas: Sequence[TensorMeta]) -> None:
-        """vLLM's ``_check_manifest``, with its message."""
+        """vLLM's ``_check_manifest``, with its message.
+
+        Args:
+            metas: what a push would send.
+
+        Raises:
+            MetadataError: a tensor not declared in the plan, or declared
+                with another dtype or shape.
+        """
         for m in metas:
             declared = self._declared.get(m.name)
             if declared == (m.dtype, m.shape):

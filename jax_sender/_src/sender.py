@@ -55,7 +55,13 @@ PAUSE_MODES = ("abort", "wait", "keep")
 class VerifyResult:
     """What ``verify`` found: tensors whose digest matches on every worker, those
     that differ somewhere, and those no server reports under their own name
-    (fused or sharded at runtime, e.g. ``qkv_proj``), which it cannot check."""
+    (fused or sharded at runtime, e.g. ``qkv_proj``), which it cannot check.
+
+    Attributes:
+        matched: the names whose digest matches everywhere it is reported.
+        mismatched: the names whose digest differs on some worker.
+        unchecked: the names no server reports.
+    """
 
     matched: tuple[str, ...]
     mismatched: tuple[str, ...]
@@ -150,7 +156,12 @@ class WeightSender:
         Raises:
             TransferError: no usable GPU here (nothing reached a server).
             NcclLibraryNotFound: no usable libnccl (nothing reached a server).
+            MetadataError: a ``load_plan`` the workers could not take
+                (nothing reached a server).
+            ValueError: no server given, or a URL that is not http(s).
             RendezvousError: a server refused, or the group did not form.
+            NcclError: NCCL refused the trainer's init (a version mismatch,
+                a duplicate GPU, ...).
         """
         ordinal, jax_dev = usable_device(device)
         plan = None if load_plan is None else LoadPlan(describe(load_plan, mapping)[0])
@@ -182,8 +193,12 @@ class WeightSender:
             This process's sender.
 
         Raises:
-            MetadataError: an ownership layout vLLM cannot take.
-            RendezvousError: the group did not form.
+            TransferError, NcclLibraryNotFound, ValueError: as ``connect``.
+            MetadataError: arrays the workers could not take, or an
+                ownership layout vLLM cannot take.
+            RendezvousError: the group did not form (``RendezvousTimeout``:
+                not every process called this in time).
+            NcclError: NCCL refused this process's init.
         """
         ordinal, jax_dev = usable_device(device)
         plan = None if load_plan is None else LoadPlan(describe(load_plan, mapping)[0])
@@ -224,9 +239,12 @@ class WeightSender:
 
         Raises:
             MetadataError: nothing was sent (bad arguments or arrays).
+            TransferError: ``wait=False`` on a multi-process sender (nothing sent).
             UpdateIncomplete: failed on the trainer's side after the servers
                 started; they finished an incomplete update; the next send repairs it.
             SendError: failed; ``broken`` says whether ``reconnect()`` is needed.
+                Also before anything is sent: the group is broken (call
+                ``reconnect()``), or the push in flight did not end by its deadlines.
             SenderClosed: after ``close()``.
             KeyboardInterrupt: Ctrl-C (the push first ended on the servers).
         """
@@ -406,7 +424,12 @@ class WeightSender:
             Which tensors match, differ, or cannot be checked.
 
         Raises:
-            RendezvousError: a server did not answer.
+            MetadataError: ``params`` a push could not send.
+            SenderClosed: after ``close()``.
+            SendError: the group is broken, or the push in flight did not
+                end by its deadlines.
+            RendezvousError: a server did not answer, or answered what vLLM
+                never does (a ``VLLMHTTPError``, ...).
         """
         with self.session.admit():
             metas, sources = describe(params, self.mapping)
@@ -427,6 +450,7 @@ class WeightSender:
     # -- lifetime ----------------------------------------------------------
     @property
     def config(self) -> SendConfig:
+        """Every setting of this sender (the session's)."""
         return self.session.config
 
     @property
@@ -435,11 +459,28 @@ class WeightSender:
         return self.session.broken
 
     def reconnect(self) -> None:
-        """See ``Session.reconnect``."""
+        """Form the transfer group again after a failure (see ``Session.reconnect``).
+
+        Finishes the servers' open update sessions, shuts their engines
+        down, mints a new id and joins again, all within
+        ``config.reconnect_timeout_s``. In a group, every process calls it
+        together.
+
+        Raises:
+            SenderClosed: the sender is closed.
+            SendError: a push in flight did not end by its deadlines.
+            ServerStuck: a server's engine does not answer (restart it).
+            RendezvousError: a server refused, or the new group did not
+                form (``RendezvousTimeout``).
+            NcclError: NCCL refused the trainer's new init.
+        """
         self.session.reconnect()
 
     def close(self) -> None:
-        """See ``Session.close``."""
+        """Let a push in flight end on the servers (one still waiting for its
+        arrays is cancelled), release the servers and free everything (see
+        ``Session.close``). A server that cannot be released is logged, not
+        raised; calling it again does nothing."""
         self.session.close()
 
     def __enter__(self) -> WeightSender:

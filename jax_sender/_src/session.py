@@ -86,6 +86,10 @@ class PendingSend:
     ``SendStats``, or its error; ``TimeoutError`` if it has not ended within
     ``timeout`` seconds (it goes on). A Ctrl-C while waiting lets the push end
     on the servers, then raises ``KeyboardInterrupt``; a second aborts it.
+
+    Args:
+        bound_s: the push's deadlines, all of them, in seconds: how long the
+            interpreter's exit waits for it to end.
     """
 
     def __init__(self, bound_s: float):
@@ -96,12 +100,27 @@ class PendingSend:
         self.bound_s = bound_s  # its deadlines, all of them
 
     def start(self, work: Callable[[], SendStats], name: str) -> None:
-        """Run ``work`` on a kept thread of its own; let it end at exit."""
+        """Run ``work`` on a kept thread of its own; let it end at exit.
+
+        Args:
+            work: the push; what it returns or raises is ``result()``'s.
+            name: the kind of kept thread it runs on.
+        """
         _in_flight.add(self)
         in_background(self._run, work, name=name)
 
     def run_here(self, work: Callable[[], SendStats]) -> SendStats:
-        """Run ``work`` on this thread; its figures, or what it raised."""
+        """Run ``work`` on this thread; its figures, or what it raised.
+
+        Args:
+            work: the push.
+
+        Returns:
+            What ``work`` returned.
+
+        Raises:
+            BaseException: what ``work`` raised.
+        """
         self._run(work)
         return self._future.result()
 
@@ -114,18 +133,31 @@ class PendingSend:
             _in_flight.discard(self)
 
     def cancelled(self) -> None:
-        """Raises ``PushCancelled`` once ``cancel`` was called."""
+        """Raises ``PushCancelled`` once ``cancel`` was called (the push polls it).
+
+        Raises:
+            PushCancelled: ``cancel`` was called.
+        """
         if self._cancel.is_set():
             raise PushCancelled(f"the push was cancelled ({self._why})")
 
     def aborted(self) -> None:
-        """Raises ``Aborted`` once ``abort`` was called."""
+        """Raises ``Aborted`` once ``abort`` was called (the push polls it).
+
+        Raises:
+            Aborted: ``abort`` was called (``push.Aborted``; the session
+                turns it into ``KeyboardInterrupt``).
+        """
         if self._abort.is_set():
             raise Aborted(SECOND_CTRL_C)
 
     def cancel(self, why: str) -> None:
         """Cancel the push if it has not announced anything to the servers
-        yet; a round under way is completed."""
+        yet; a round under way is completed.
+
+        Args:
+            why: the reason, quoted by the ``PushCancelled`` it raises.
+        """
         self._why = why
         self._cancel.set()
 
@@ -134,7 +166,11 @@ class PendingSend:
         self._abort.set()
 
     def done(self) -> bool:
-        """Whether the push ended (either way)."""
+        """Whether the push ended (either way).
+
+        Returns:
+            True once it succeeded or failed; False while it runs.
+        """
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SendStats:
@@ -172,7 +208,14 @@ class PendingSend:
         return self._future.result()
 
     def wait_stopped(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the push to end; whether it did."""
+        """Wait up to ``timeout`` seconds for the push to end; whether it did.
+
+        Args:
+            timeout: seconds to wait at most.
+
+        Returns:
+            True if it ended (either way), False if it still runs.
+        """
         try:
             self._future.exception(timeout=timeout)
         except Exception:

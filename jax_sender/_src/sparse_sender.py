@@ -83,7 +83,10 @@ class SparseSender:
 
         Raises:
             TransferError: no usable GPU here (nothing reached a server).
+            NcclLibraryNotFound: no usable libnccl (nothing reached a server).
+            ValueError: no server given, or a URL that is not http(s).
             RendezvousError: a server refused, or the group did not form.
+            NcclError: NCCL refused the trainer's init.
         """
         ordinal, jax_dev = usable_device(device)
         config = replace(config, packed=False)
@@ -194,6 +197,7 @@ class SparseSender:
     # -- lifetime ----------------------------------------------------------
     @property
     def config(self) -> SendConfig:
+        """Every setting of this sender (the session's)."""
         return self.session.config
 
     @property
@@ -202,11 +206,27 @@ class SparseSender:
         return self.session.broken
 
     def reconnect(self) -> None:
-        """See ``Session.reconnect``."""
+        """Form the transfer group again after a failure (see ``Session.reconnect``).
+
+        Finishes the servers' open update sessions, shuts their engines
+        down, mints a new id and joins again, all within
+        ``config.reconnect_timeout_s``.
+
+        Raises:
+            SenderClosed: the sender is closed.
+            SendError: a push in flight did not end by its deadlines.
+            ServerStuck: a server's engine does not answer (restart it).
+            RendezvousError: a server refused, or the new group did not
+                form (``RendezvousTimeout``).
+            NcclError: NCCL refused the trainer's new init.
+        """
         self.session.reconnect()
 
     def close(self) -> None:
-        """See ``Session.close``."""
+        """Let a push in flight end on the servers (one still waiting for its
+        arrays is cancelled), release the servers and free everything (see
+        ``Session.close``). A server that cannot be released is logged, not
+        raised; calling it again does nothing."""
         self.session.close()
 
     def __enter__(self) -> SparseSender:

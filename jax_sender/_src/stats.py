@@ -17,6 +17,18 @@ class SendStats:
         reused_metadata: whether every ``/update_weights`` posted empty lists
             (vLLM's "same as last time").
         prepare_s: ``send()`` called -> the first HTTP call (validation, planning).
+        start_s: ``/start_weight_update`` (and the wait for the arrays to be
+            computed).
+        transfer_s: posting ``/update_weights`` -> every server answered.
+        update_s: the ``/update_weights`` calls themselves, timed inside
+            their threads (the slowest server's).
+        finish_s: ``/finish_weight_update``.
+        broadcast_s: the first broadcast launched -> the last one done (host
+            clock).
+        host_s: host time getting and packing tensors, inside ``transfer_s``.
+        link_s: GPU time from the end of each round's first broadcast to its last.
+        link_bytes: the bytes sent in ``link_s``.
+        returned_s: ``send()`` called -> it returned (all of it when blocking).
     """
 
     bytes: int
@@ -39,10 +51,12 @@ class SendStats:
 
     @property
     def total_s(self) -> float:
+        """The push from ``send()`` to its end: prepare, start, transfer and finish."""
         return self.prepare_s + self.start_s + self.transfer_s + self.finish_s
 
     @property
     def transfer_gbps(self) -> float:
+        """``bytes`` over ``transfer_s``, in GB/s (1e9 bytes a second); 0.0 when untimed."""
         return self.bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
 
     def __str__(self) -> str:
