@@ -22,7 +22,7 @@ import jax
 
 from .errors import MetadataError
 from .group import gather, ready
-from .naming import Mapping, identity, named_arrays
+from .naming import Mapping, dotted, identity, named_arrays
 from .plan import LoadPlan, TensorMeta, check_unique
 
 Get = Callable[[int], jax.Array]
@@ -73,8 +73,8 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
             raise MetadataError(f"parameter at {path} has no checkpoint name")
         # Tracing is skipped for JAX arrays with no transform (others are
         # traced, which gives the dtype JAX will turn them into).
-        out = (jax.eval_shape(lambda a, p=path: mapping.transform(p, a), arr)
-               if traced or not isinstance(arr, jax.Array) else arr)
+        out = (_traced(mapping, path, arr) if traced or not isinstance(arr, jax.Array)
+               else arr)
         metas.append(TensorMeta.of(name, out))
         paths.append(path)
         arrays.append(arr)
@@ -82,6 +82,16 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
         raise MetadataError("nothing to send: the parameter tree has no arrays")
     check_unique(metas)
     return metas, Sources(paths, arrays)
+
+
+def _traced(mapping: Mapping, path: Any, arr: Any) -> Any:
+    """The shape and dtype the mapping makes of ``arr``, without running it."""
+    try:
+        return jax.eval_shape(lambda a: mapping.apply(path, a), arr)
+    except (TypeError, ValueError, IndexError) as e:  # a reshape or slice that cannot fit
+        raise MetadataError(f"the mapping's transform cannot take the leaf at "
+                            f"{dotted(path)!r} ({getattr(arr, 'dtype', '?')} "
+                            f"{tuple(getattr(arr, 'shape', ()))}): {e}") from None
 
 
 def structure(params: Any) -> tuple[Any, list[Any]] | None:
@@ -124,6 +134,7 @@ class _Kept:
     metas: list[TensorMeta]
     paths: list[Any]
     local: bool
+    leaf_of: list[int] | None  # each tensor's leaf, where not one tensor per leaf in order
 
 
 class Descriptions:
@@ -149,14 +160,26 @@ class Descriptions:
         found = structure(params)
         kept = self._kept
         if found is not None and kept is not None and found[0] == kept.key:
-            return kept.metas, Sources(kept.paths, found[1], local=kept.local)
+            leaves = found[1]
+            arrays = leaves if kept.leaf_of is None else [leaves[j] for j in kept.leaf_of]
+            return kept.metas, Sources(kept.paths, arrays, local=kept.local)
         metas, sources = describe(params, self.mapping)
         if self.load_plan is not None:
             self.load_plan.check(metas)
         if found is not None:
             self._kept = _Kept(key=found[0], metas=metas, paths=sources.paths,
-                               local=on_device(sources, self.device))
+                               local=on_device(sources, self.device),
+                               leaf_of=_leaf_of(sources.arrays, found[1]))
         return metas, sources
+
+
+def _leaf_of(arrays: list[Any], leaves: list[Any]) -> list[int] | None:
+    """Each tensor's position among the tree's leaves; None when they are the
+    leaves themselves, in order (every mapping but a one-to-many one)."""
+    if len(arrays) == len(leaves) and all(a is b for a, b in zip(arrays, leaves)):
+        return None
+    first = {id(a): j for j, a in reversed(list(enumerate(leaves)))}
+    return [first[id(a)] for a in arrays]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +208,7 @@ class Placement:
             arr = jax.device_put(arr, self.device)
         if self.mapping.transform is identity:
             return arr
-        out = self.mapping.transform(path, arr)
+        out = self.mapping.apply(path, arr)
         if out.sharding.device_set != {self.device}:
             out = jax.device_put(out, self.device)
         return out

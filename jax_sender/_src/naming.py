@@ -6,10 +6,17 @@ A *mapping* is two functions of the pytree path (a tuple of string keys):
 are ``(in, out)``, torch's Linear weights ``(out, in)``) or casts the dtype.
 Transforms are traced with ``jax.eval_shape`` first, so the metadata sent to
 the workers is known before anything runs on the GPU.
+
+One leaf may become several tensors (MaxText stacks the layers of a
+scanned model on one axis): ``name(path)`` then gives a tuple of names and
+``transform(path, array)`` a tuple of arrays, and tensor *i* is
+``transform(path, array)[i]``, jitted once per shape so that XLA computes
+only that part; its path is the leaf's with a ``Part(i)`` at the end.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,7 +26,21 @@ import jax
 
 from .errors import MetadataError
 
-Path = tuple[str, ...]
+Path = tuple[Any, ...]  # str keys, and a ``Part`` last for one of a leaf's several tensors
+
+
+@dataclass(frozen=True)
+class Part:
+    """Tensor ``index`` of the several a one-to-many mapping makes of a leaf.
+
+    Attributes:
+        index: its position in ``name(path)``'s tuple.
+    """
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"#{self.index}"
 
 
 def key_str(entry: Any) -> str:
@@ -53,7 +74,7 @@ def dotted(path: Path) -> str:
     Returns:
         E.g. ``"layers_0.mlp.kernel"``.
     """
-    return ".".join(path)
+    return ".".join(map(str, path))
 
 
 def identity(_: Path, array: Any) -> Any:
@@ -81,8 +102,30 @@ class Mapping:
             its metadata (default: the array unchanged).
     """
 
-    name: Callable[[Path], str] = dotted
+    name: Callable[[Path], str | tuple[str, ...]] = dotted
     transform: Callable[[Path, Any], Any] = identity
+
+    def apply(self, path: Path, array: Any) -> Any:
+        """The tensor to send for ``path``: ``transform(path, array)``, or,
+        for a path ending in ``Part(i)``, its part *i* (jitted once per shape).
+
+        Args:
+            path: a tensor's path (as ``named_arrays`` gives it).
+            array: the leaf.
+
+        Returns:
+            The transformed array.
+        """
+        if path and isinstance(path[-1], Part):
+            return _part_of(self.transform, path[:-1], path[-1].index)(array)
+        return self.transform(path, array)
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_of(transform: Callable[[Path, Any], Any], path: Path,
+             index: int) -> Callable[[Any], Any]:
+    """Part ``index`` of ``transform(path, x)``, jitted: XLA computes that part alone."""
+    return jax.jit(lambda x: transform(path, x)[index])
 
 
 def _is_pairs(obj: Any) -> bool:
@@ -124,14 +167,39 @@ def named_arrays(params: Any, mapping: Mapping = Mapping()) -> list[tuple[str, P
         One ``(name, path, array)`` per tensor, in tree or pair order.
 
     Raises:
-        MetadataError: pairs with a name that is not a non-empty str, or
-            (from ``llama_name``) a path it has no name for.
+        MetadataError: pairs with a name that is not a non-empty str, or a
+            leaf the mapping has no name for (its ``name`` raised
+            ``KeyError``, or ``llama_name``'s own error).
     """
     if isinstance(params, Iterator):
         params = list(params)
     if _is_pairs(params):
         return [(name, (name,), arr) for name, arr in params]
-    return [(mapping.name(path), path, leaf) for path, leaf in flatten(params)]
+    out = []
+    for path, leaf in flatten(params):
+        names = _names(mapping, path)
+        if isinstance(names, str):
+            out.append((names, path, leaf))
+        else:  # one-to-many (or none: a leaf deliberately not sent)
+            out += [(n, (*path, Part(i)), leaf) for i, n in enumerate(names)]
+    return out
+
+
+def _names(mapping: Mapping, path: Path) -> str | tuple[str, ...]:
+    """``mapping.name(path)``, checked: a leaf the mapping does not know, or
+    several names with no transform to make several tensors, is refused."""
+    try:
+        names = mapping.name(path)
+    except KeyError as e:
+        raise MetadataError(f"the mapping has no checkpoint name for the leaf at "
+                            f"{dotted(path)!r} ({e}): map it, or leave it out of the "
+                            "tree you send") from None
+    if not isinstance(names, str):
+        names = tuple(names)
+        if names and mapping.transform is identity:
+            raise MetadataError(f"the mapping names {len(names)} tensors for the leaf at "
+                                f"{dotted(path)!r} but has no transform to make them")
+    return names
 
 
 # -- Llama / Qwen-style decoders ---------------------------------------------

@@ -372,7 +372,7 @@ class WeightSender:
             return _Snapshot(arrays=self._write_chunks(turn, metas, sources), chunks=True)
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
-        return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.transform)(
+        return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.apply)(
             sources.arrays), chunks=False)
 
     def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
@@ -396,7 +396,7 @@ class WeightSender:
         snapshot must not share the caller's arrays)."""
         paths = [sources.paths[i] for i in turn.turn.params]
         arrays = [sources.arrays[i] for i in turn.turn.params]
-        transform = self.mapping.transform
+        transform = self.mapping.apply
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:
             c = turn.chunks[k]

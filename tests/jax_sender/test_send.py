@@ -319,3 +319,54 @@ def test_verify_compares_vllms_checksums_on_every_worker_of_every_server():
     del b.store["head"]
     check = sender.verify(p)
     assert not check.ok and check.mismatched == ("layer.w",) and check.unchecked == ("head",)
+
+
+def stacked_name(path):
+    """A scanned model's mapping: ``stack`` holds 3 layers on axis 1."""
+    if path[-1] == "stack":
+        return tuple(f"model.layers.{i}.w" for i in range(3))
+    if path[-1] == "rope_cache":
+        return ()  # deliberately not sent
+    return {"bias": "model.bias"}[path[-1]]
+
+
+def stacked_transform(path, x):
+    if path[-1] == "stack":
+        return tuple(x[:, i].T.astype(jnp.bfloat16) for i in range(x.shape[1]))
+    return x
+
+
+def stacked_tree(seed: int) -> dict:
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    return {"stack": jax.random.normal(k[0], (24, 3, 40), jnp.float32),
+            "bias": jax.random.normal(k[1], (40,), jnp.float32),
+            "rope_cache": jnp.ones((8, 8), jnp.float32)}
+
+
+def stacked_expected(tree) -> dict:
+    """Written from the layout, not from the mapping's code path."""
+    stack = np.asarray(tree["stack"])
+    out = {f"model.layers.{i}.w": np.asarray(jnp.asarray(stack[:, i].T).astype(jnp.bfloat16))
+           for i in range(3)}
+    out["model.bias"] = np.asarray(tree["bias"])
+    return {k: v.tobytes() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("packed, wait, max_tensors", [
+    (True, True, 256), (True, False, 256), (True, True, 1), (False, True, 256), (False, False, 256)])
+def test_one_leaf_becomes_several_tensors_in_every_mode(packed, wait, max_tensors, monkeypatch):
+    """A one-to-many mapping (MaxText's scanned layers): each layer of the
+    stacked leaf lands under its own name, bit-exact, whether XLA packs the
+    chunks, copies do, the push is asynchronous or unpacked; a leaf mapped to
+    no name is not sent; a leaf the mapping does not know is refused first."""
+    monkeypatch.setattr("jax_sender._src.packing.MAX_TENSORS", max_tensors)
+    config = SendConfig(packed=packed, buffer_size_bytes=4096)
+    sender, (server,), _ = memory_sender(config, mapping=Mapping(stacked_name, stacked_transform))
+    for seed in (0, 1):
+        out = sender.send(stacked_tree(seed), wait=wait)
+        if not wait:
+            out.result(timeout=20)
+        assert held(server) == stacked_expected(stacked_tree(seed))
+    with pytest.raises(MetadataError, match="no checkpoint name for the leaf at 'extra'"):
+        sender.send(dict(stacked_tree(2), extra=jnp.ones(3)))
+    assert pushed(server).count("/start_weight_update") == 2
