@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "SendConfig": "config",
-    "GatherTimeout": "errors", "MetadataError": "errors", "PushCancelled": "errors",
+    "GatherTimeout": "errors", "MetadataError": "errors",
     "SendError": "errors", "SenderClosed": "errors", "TransferError": "errors",
     "UpdateIncomplete": "errors",
     "LLAMA": "naming", "Mapping": "naming", "flatten": "naming", "llama_name": "naming",
@@ -22,13 +22,18 @@ _EXPORTS = {
     "PendingSend": "session", "SendStats": "stats", "describe": "describe",
     "VerifyResult": "sender", "WeightSender": "sender",
     "SparseSender": "sparse_sender",
+    "TUNIX_LLAMA3": "zoo", "TUNIX_QWEN2": "zoo", "TUNIX_QWEN3": "zoo", "MAXTEXT_LLAMA31": "zoo",
+    "MAXTEXT_QWEN3": "zoo", "tunix_llama3": "zoo", "tunix_qwen2": "zoo", "tunix_qwen3": "zoo",
+    "maxtext_llama31": "zoo", "maxtext_qwen3": "zoo",
 }
 __all__ = [
     "LLAMA", "WIRE_DTYPES", "Chunk", "GatherTimeout", "LoadPlan", "Mapping", "MetadataError",
-    "PendingSend", "PushCancelled", "SendConfig", "SendError", "SendStats", "SenderClosed",
+    "PendingSend", "SendConfig", "SendError", "SendStats", "SenderClosed",
     "SparseSender", "TensorMeta", "TransferError", "UpdateIncomplete", "VerifyResult",
     "WeightSender", "describe", "flatten", "llama_name", "llama_transform", "named_arrays",
     "plan_chunks", "wire_order",
+    "MAXTEXT_LLAMA31", "MAXTEXT_QWEN3", "TUNIX_LLAMA3", "TUNIX_QWEN2", "TUNIX_QWEN3",
+    "maxtext_llama31", "maxtext_qwen3", "tunix_llama3", "tunix_qwen2", "tunix_qwen3",
 ]
 
 if TYPE_CHECKING:
@@ -37,7 +42,6 @@ if TYPE_CHECKING:
     from ._src.errors import (
         GatherTimeout,
         MetadataError,
-        PushCancelled,
         SenderClosed,
         SendError,
         TransferError,
@@ -49,6 +53,18 @@ if TYPE_CHECKING:
     from ._src.session import PendingSend
     from ._src.sparse_sender import SparseSender
     from ._src.stats import SendStats
+    from ._src.zoo import (
+        MAXTEXT_LLAMA31,
+        MAXTEXT_QWEN3,
+        TUNIX_LLAMA3,
+        TUNIX_QWEN2,
+        TUNIX_QWEN3,
+        maxtext_llama31,
+        maxtext_qwen3,
+        tunix_llama3,
+        tunix_qwen2,
+        tunix_qwen3,
+    )
 
 
 assert sorted(__all__) == sorted(_EXPORTS)

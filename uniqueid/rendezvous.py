@@ -241,13 +241,7 @@ class Connection:
             RendezvousError: with ``strict``, a server refused to shut down.
         """
         deadline = deadline or Deadline(60.0)
-        problems: list[RendezvousError] = []
-        if shutdown_servers:
-            for c in self.clients:
-                try:
-                    release(c, deadline)
-                except RendezvousError as e:
-                    problems.append(e)
+        problems = release_all(self.clients, deadline) if shutdown_servers else []
         if free_comm:
             self.comm.destroy()
         if self.owns_clients:
@@ -257,6 +251,29 @@ class Connection:
             log.warning("%s", e)
         if strict and problems:
             raise problems[0]
+
+
+def release_all(clients: Sequence[VLLMClient], deadline: Deadline) -> list[RendezvousError]:
+    """``release`` every server at once, each within ``deadline``: one stuck
+    server must not use up the others' time (and be blamed on them).
+
+    Args:
+        clients: the servers.
+        deadline: bounds each release (they run side by side).
+
+    Returns:
+        What each server that could not be released raised.
+    """
+    calls = [in_background(release, c, deadline, name="vllm-release") for c in clients]
+    problems: list[RendezvousError] = []
+    for c, call in zip(clients, calls):
+        try:
+            if not await_future(call, None if deadline.at is None else deadline.at + 1.0):
+                raise ServerStuck(f"{c.base_url}: its release did not end by the deadline; "
+                                  "restart that server")
+        except RendezvousError as e:
+            problems.append(e)
+    return problems
 
 
 def release(client: VLLMClient, deadline: Deadline) -> None:

@@ -39,26 +39,41 @@ def _same_length(info: Any, *keys: str) -> None:
                              f"got {len(getattr(info, key))} and {n}")
 
 
+def _need_tensor_lists(info: Any) -> None:
+    """``names`` and ``dtype_names`` lists of str, ``shapes`` a list of lists
+    of ints >= 0: vLLM's dataclasses do not check, and anything else would
+    be sent back as another payload (``[[1.5]]`` as ``[[1]]``) or fail later."""
+    for key in ("names", "dtype_names"):
+        value = getattr(info, key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"`{key}` must be a list of str, got {value!r}")
+    for shape in info.shapes:
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise TypeError(f"`shapes` must be lists of ints >= 0, got {shape!r}")
+
+
 def _tensor_lists(info: Any) -> dict[str, Any]:
     """The ``names``, ``dtype_names`` and ``shapes`` keys of an update payload."""
     return {"names": list(info.names), "dtype_names": list(info.dtype_names),
             "shapes": [[int(d) for d in s] for s in info.shapes]}
 
 
-def _construct(cls, payload: dict[str, Any], what: str):
-    """``cls(**payload)`` with vLLM's error for unknown or missing keys."""
+def _construct(cls, payload: dict[str, Any], what: str, engine: str = "NCCLWeightTransferEngine"):
+    """``cls(**payload)`` with vLLM's error for unknown or missing keys (the
+    first unknown key in the payload's order, as Python names it)."""
     if not isinstance(payload, dict):
-        raise ValueError(f"Invalid {what} for NCCLWeightTransferEngine: expected an object")
+        raise ValueError(f"Invalid {what} for {engine}: expected an object")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(payload) - known)
+    unknown = [k for k in payload if k not in known]
     if unknown:
         raise ValueError(
-            f"Invalid {what} for NCCLWeightTransferEngine: {cls.__name__}.__init__() got "
-            f"an unexpected keyword argument {unknown[0]!r}")
+            f"Invalid {what} for {engine}: {cls.__name__}.__init__() got "
+            f"an unexpected keyword argument '{unknown[0]}'")
     try:
         return cls(**payload)
     except TypeError as e:
-        raise ValueError(f"Invalid {what} for NCCLWeightTransferEngine: {e}") from e
+        raise ValueError(f"Invalid {what} for {engine}: {e}") from e
 
 
 @dataclass(kw_only=True)
@@ -198,6 +213,7 @@ class UpdateInfo:
 
     def __post_init__(self) -> None:
         _same_length(self, "dtype_names", "shapes")
+        _need_tensor_lists(self)
         _need_int("src", self.src, 0)
 
     @property
@@ -263,8 +279,11 @@ class SparseUpdateInfo:
         if not self.num_updates_list:
             raise ValueError("`num_updates_list` cannot be empty for sparse updates")
         _same_length(self, "num_updates_list")
+        _need_tensor_lists(self)
         for k in self.num_updates_list:
-            _need_int("num_updates_list entries", k, 0)
+            _need_int("num_updates_list entries", k, -2**63)
+        if any(k < 0 for k in self.num_updates_list):
+            raise ValueError("Sparse `num_updates_list` entries must be non-negative")
 
     def to_payload(self) -> dict[str, Any]:
         """The JSON object vLLM reads as ``update_info``.
@@ -289,4 +308,4 @@ class SparseUpdateInfo:
             ValueError: not a JSON object, an unknown key, or a field missing
                 or invalid (vLLM's message).
         """
-        return _construct(cls, payload, "update_info")
+        return _construct(cls, payload, "update_info", "SparseNCCLWeightTransferEngine")

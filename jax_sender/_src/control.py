@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from nccl_cffi import in_background
-from uniqueid import RendezvousError, VLLMClient
+from uniqueid import RendezvousError, VLLMClient, VLLMConnectionError
 
 
 class ControlPlane:
@@ -27,6 +27,8 @@ class ControlPlane:
     def __init__(self, clients: Sequence[VLLMClient], timeout_s: float):
         self.clients = list(clients)
         self.timeout_s = timeout_s
+        self.left_open = False  # a failed start may have left a server inside a session
+        self.late_pause: list[VLLMClient] = []  # paused without answering: may pause late
 
     def pause(self, mode: str) -> None:
         done: list[VLLMClient] = []
@@ -34,7 +36,10 @@ class ControlPlane:
             for c in self.clients:
                 c.pause(mode, timeout=self.timeout_s)
                 done.append(c)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, VLLMConnectionError):  # unanswered: it may pause all the same
+                done.append(c)
+                self.late_pause.append(c)
             best_effort(functools.partial(c.resume, timeout=self.timeout_s) for c in done)
             raise
 
@@ -49,14 +54,22 @@ class ControlPlane:
             raise errors[0]
 
     def start(self) -> None:
+        """``/start_weight_update`` everywhere; on a failure, the sessions
+        that started are finished again. ``left_open`` says whether a server
+        may still be inside one: a start that went unanswered (it may land
+        late), or a finish of the cleanup that failed."""
         started: list[VLLMClient] = []
         try:
             for c in self.clients:
                 c.start_weight_update(timeout=self.timeout_s)
                 started.append(c)
-        except BaseException:  # no server is left inside an open session
-            best_effort(functools.partial(c.finish_weight_update, timeout=self.timeout_s)
-                        for c in started)
+        except BaseException as e:  # no server is left inside an open session
+            self.left_open = isinstance(e, VLLMConnectionError)
+            for s in started:
+                try:
+                    s.finish_weight_update(timeout=self.timeout_s)
+                except RendezvousError:
+                    self.left_open = True
             raise
 
     def update(self, payload: dict[str, Any], timeout_s: float) -> list[Future[float]]:

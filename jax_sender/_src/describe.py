@@ -71,6 +71,12 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
     for name, path, arr in named_arrays(params, mapping):
         if not isinstance(name, str) or not name:
             raise MetadataError(f"parameter at {path} has no checkpoint name")
+        if not name.isascii():  # the cheap look; the full one only where it may fail
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise MetadataError(f"the checkpoint name {ascii(name)} cannot travel as JSON "
+                                    "text (it is not valid Unicode)") from None
         # Tracing is skipped for JAX arrays with no transform (others are
         # traced, which gives the dtype JAX will turn them into).
         out = (_traced(mapping, path, arr) if traced or not isinstance(arr, jax.Array)
@@ -235,8 +241,22 @@ class Placement:
 LOOK_FIRST = 64
 
 
-def readiness(arrays: list[jax.Array]) -> Callable[[], None] | None:
-    """The wait until ``arrays`` are computed, or None when a look shows they are."""
-    if len(arrays) <= LOOK_FIRST and all(a.is_ready() for a in arrays):
-        return None
+def readiness(sources: Sources) -> Callable[[], None] | None:
+    """The wait until the source arrays are computed, or None when a look
+    shows they are. A look also refuses a deleted (donated) array, before
+    anything is sent: jaxlib's ``is_ready`` on one crashes the process; past
+    ``LOOK_FIRST`` arrays, the wait itself fails on it, before any
+    ``/update_weights``.
+
+    Raises:
+        MetadataError: a deleted array among the first ``LOOK_FIRST``.
+    """
+    arrays = sources.arrays
+    if len(arrays) <= LOOK_FIRST:
+        for path, a in sources:
+            if a.is_deleted():
+                raise MetadataError(f"the array at {dotted(path)!r} was deleted (donated to a "
+                                    "step?): send the step's outputs, not its donated inputs")
+        if all(a.is_ready() for a in arrays):
+            return None
     return functools.partial(jax.block_until_ready, arrays)

@@ -31,10 +31,6 @@ class UpdateIncomplete(SendError):
     repairs it."""
 
 
-class PushCancelled(SendError):
-    """The push was cancelled (``close()``, or a second Ctrl-C)."""
-
-
 class GatherTimeout(SendError, TimeoutError):
     """A parameter's other owners (processes) did not join its gather in time."""
 

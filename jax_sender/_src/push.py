@@ -8,7 +8,7 @@ every broadcast a round announced, with no deadline, so once a server has
 started an update the push must end there:
 
 * a failure on the **trainer's side** (a transform or XLA raising, the
-  arrays not computed in time, a cancel) while the communicator and the
+  arrays not computed in time) while the communicator and the
   peers are healthy is *wound down*: the broadcasts the round announced are
   completed from scratch bytes, the answers awaited, no new round posted
   (except in a group, whose other processes cannot know: every round goes
@@ -38,7 +38,7 @@ from uniqueid import RendezvousError, RendezvousTimeout
 
 from .broadcaster import Fill, Part
 from .control import ControlPlane, best_effort
-from .errors import PushCancelled, SendError, UpdateIncomplete
+from .errors import SendError, UpdateIncomplete
 from .feeds import Received, Rest
 from .plan import TensorMeta
 from .stats import SendStats
@@ -188,16 +188,18 @@ class Transaction:
         broadcaster: what moves the bytes.
         lane: where the NCCL calls run.
         check: raises once the push must stop at once (polled in every wait).
-        cancelled: raises once the push is cancelled (``close()``): honoured
-            before anything is announced; a round under way completes.
     """
 
     def __init__(self, push: PreparedPush, control: ControlPlane, broadcaster: Broadcasts,
-                 lane: Lane, *, check: Check, cancelled: Check):
+                 lane: Lane, *, check: Check):
         self.push, self.control, self.broadcaster, self.lane = push, control, broadcaster, lane
-        self.check, self.cancelled = check, cancelled
+        self.check = check
         self.failure: BaseException | None = None  # the trainer's own, wound down
-        self.announced = False  # an /update_weights was posted
+        self.started = False  # /start_weight_update answered on every server
+        self.announced = False  # an /update_weights was (or was being) posted
+        self.finishing = False  # /finish_weight_update was posted
+        self.finished = False  # /finish_weight_update answered on every server
+        self.left_open = False  # a server may be left inside an update session
         self._sent: Future[float] | None = None  # the lane's current round
         self._span = 0.0
 
@@ -224,9 +226,12 @@ class Transaction:
                     break
                 self._round(r)
             t3 = time.perf_counter()
+            self.finishing = True
             self.control.finish(None if self.failure else p.weight_version)
+            self.finished = True
             t4 = time.perf_counter()
         except BaseException:
+            self._close_session()
             if p.pause:  # the first failure is the one to report
                 best_effort([self.control.resume])
             raise
@@ -242,27 +247,42 @@ class Transaction:
         ready = self.push.ready
         computed = in_background(ready, name="jax-sender-ready") if ready else None
         deadline = time.monotonic() + self.push.timeout_s
-        self.control.start()
         try:
-            if computed is not None and not await_future(computed, deadline, self._waiting):
+            self.control.start()
+        except BaseException:
+            self.left_open = self.control.left_open
+            raise
+        self.started = True
+        try:
+            if computed is not None and not await_future(computed, deadline, self.check):
                 raise TimeoutError(
                     f"the arrays to push were not computed within {self.push.timeout_s}s of "
                     "send() (is the trainer's step still running, or stuck?): call send() once "
                     "the step is done, or raise SendConfig.send_timeout_s")
-            self.cancelled()
         except BaseException as e:
             if aborts(e):
                 raise
             self.failure = e
 
-    def _waiting(self) -> None:
-        self.check()
-        self.cancelled()
+    def _close_session(self) -> None:
+        """After a failure before any ``/update_weights``: finish the session
+        the servers opened (nothing is in flight); one that cannot be
+        finished is left open, for ``reconnect()`` to finish."""
+        if not self.started or self.announced or self.finished:
+            return
+        if self.finishing:  # it was posted and failed: the session's state is unknown
+            self.left_open = True
+            return
+        try:
+            self.control.finish(None)
+            self.finished = True
+        except BaseException:
+            self.left_open = True
 
     def _round(self, r: Round) -> None:
         p = self.push
+        self.announced = True  # before posting: an interrupt in between must abort
         futures = self.control.update(r.update, p.update_timeout_s)
-        self.announced = True
         feed = r.feed if self.failure is None or r.root != p.rank else Received(
             parts=r.parts, root=r.root)
         try:
@@ -328,10 +348,9 @@ class Transaction:
         e = self.failure
         why = f"{type(e).__name__}: {e}"
         if not self.announced:
-            cls = PushCancelled if isinstance(e, PushCancelled) else SendError
-            err = cls(f"weight push stopped before any weights were sent ({why}); the servers "
-                      "finished the update with nothing in it and keep their weights; the "
-                      "sender is usable")
+            err = SendError(f"weight push stopped before any weights were sent ({why}); the "
+                            "servers finished the update with nothing in it and keep their "
+                            "weights; the sender is usable")
         else:
             err = UpdateIncomplete(
                 f"weight push failed on the trainer's side after the servers started the update "

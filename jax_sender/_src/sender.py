@@ -325,12 +325,14 @@ class WeightSender:
                 return lambda t: Produced(chunks=t.chunks, make=lambda k, _: arrays[k],
                                           root=t.turn.src), ready
             get, temporaries = arrays.__getitem__, False
-        elif (packed and self.mapping.transform is not identity
-              and on_device(sources, self.device)):  # XLA packs each chunk in one call
-            return lambda t: self._xla_or_copies(t, metas, sources), None
         else:
+            # Arrays on the device are waited for before any /update_weights, with
+            # or without a transform; others (host data, gathers) are got on the lane.
+            local = on_device(sources, self.device)
+            ready = readiness(sources) if local else None
+            if packed and local and self.mapping.transform is not identity:
+                return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
             get, temporaries = self._place.getter(metas, sources)
-            ready = None if temporaries else readiness(sources.arrays)
 
         def feed(t: TurnUpdate) -> Feed:
             mine = t.turn.params
@@ -405,7 +407,7 @@ class WeightSender:
             return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
         return make
 
-    def _drop_staging(self) -> None:
+    def _drop_staging(self, aborted: bool) -> None:
         # A failed push's broadcasts may still read them: never write there again.
         self._staging = {}
 

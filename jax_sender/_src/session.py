@@ -26,6 +26,7 @@ group is broken, and the admission of pushes:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import signal
 import threading
@@ -35,12 +36,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from nccl_cffi import Deadline, NcclTimeoutError, await_future, in_background
-from uniqueid import Connection, InitInfo, VLLMClient
+from uniqueid import Connection, InitInfo, VLLMClient, VLLMConnectionError
 
 from .broadcaster import Broadcaster
 from .config import SendConfig
-from .control import ControlPlane
-from .errors import PushCancelled, SenderClosed, SendError
+from .control import ControlPlane, best_effort
+from .errors import SenderClosed, SendError
 from .plan import TensorMeta
 from .push import Aborted, Lane, PreparedPush, Transaction
 from .routes import Route
@@ -94,9 +95,7 @@ class PendingSend:
 
     def __init__(self, bound_s: float):
         self._future: Future[SendStats] = Future()
-        self._cancel = threading.Event()
         self._abort = threading.Event()
-        self._why = ""
         self.bound_s = bound_s  # its deadlines, all of them
 
     def start(self, work: Callable[[], SendStats], name: str) -> None:
@@ -132,15 +131,6 @@ class PendingSend:
         finally:
             _in_flight.discard(self)
 
-    def cancelled(self) -> None:
-        """Raises ``PushCancelled`` once ``cancel`` was called (the push polls it).
-
-        Raises:
-            PushCancelled: ``cancel`` was called.
-        """
-        if self._cancel.is_set():
-            raise PushCancelled(f"the push was cancelled ({self._why})")
-
     def aborted(self) -> None:
         """Raises ``Aborted`` once ``abort`` was called (the push polls it).
 
@@ -150,16 +140,6 @@ class PendingSend:
         """
         if self._abort.is_set():
             raise Aborted(SECOND_CTRL_C)
-
-    def cancel(self, why: str) -> None:
-        """Cancel the push if it has not announced anything to the servers
-        yet; a round under way is completed.
-
-        Args:
-            why: the reason, quoted by the ``PushCancelled`` it raises.
-        """
-        self._why = why
-        self._cancel.set()
 
     def abort(self) -> None:
         """Stop the push at once (its communicator is aborted)."""
@@ -236,8 +216,10 @@ def _let_pushes_end() -> None:
 
 class _Interrupts:
     """Ctrl-C during a blocking push on the main thread: the first is held
-    until the push ended, the second raises at once. Left alone where the
-    program set a SIGINT handler of its own, or off the main thread."""
+    until the push ended, the second raises at once, and later ones are
+    ignored until the push is over (one could land in the abort itself and
+    leave the sender unaware it is broken). Left alone where the program set
+    a SIGINT handler of its own, or off the main thread."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -247,9 +229,10 @@ class _Interrupts:
         self.count += 1
         if self.count == 1:
             log.warning(FIRST_CTRL_C)
-            return
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise KeyboardInterrupt(SECOND_CTRL_C)
+        elif self.count == 2:
+            raise KeyboardInterrupt(SECOND_CTRL_C)
+        else:
+            log.warning("Ctrl-C: the push is being aborted; the sender returns in a moment")
 
     def __enter__(self) -> _Interrupts:
         if (threading.current_thread() is threading.main_thread()
@@ -263,13 +246,14 @@ class _Interrupts:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _refused(exc: BaseException) -> BaseException:
-    """The error for a push that failed before any ``/update_weights`` was
-    posted: no collective was started, so nothing needs aborting."""
+def _unresumed(exc: BaseException) -> BaseException:
+    """The error for a push whose update finished everywhere but whose
+    ``/resume`` failed: the weights are in; nothing needs aborting."""
     if isinstance(exc, (KeyboardInterrupt, Aborted)):
-        return KeyboardInterrupt("Ctrl-C before any weights were sent; the servers keep theirs")
-    return SendError(f"weight push failed before any weights were sent: {type(exc).__name__}: "
-                     f"{exc}. The servers keep their weights and the sender is usable")
+        return KeyboardInterrupt("Ctrl-C after the push ended on the servers")
+    return SendError(f"the push ended on every server, but resuming generation failed: "
+                     f"{type(exc).__name__}: {exc}. Generation may still be paused there: "
+                     "call resume() on that server's client; the sender is usable")
 
 
 class Session:
@@ -290,13 +274,20 @@ class Session:
         self.sent: dict[int, list[TensorMeta]] = {}  # per src: the metadata the workers hold
         self.broken = ""  # why the group is broken, until reconnect()
         self.closed = False
-        self.on_reset: list[Callable[[], None]] = []  # called when a communicator is given up
+        self.closing = False  # close() began: a push still being prepared will not run
+        self._closing_lock = threading.Lock()
+        self._closed = threading.Event()
+        # Called with ``aborted`` when a communicator is given up (aborted mid-push,
+        # or dropped by reconnect/close): what the senders keep about it goes.
+        self.on_reset: list[Callable[[bool], None]] = []
         self._make_broadcaster = broadcaster
         self._broadcaster: Broadcaster | None = None
         self._orphans: list[Lane] = []  # lanes abandoned inside an NCCL call
         self._turn = threading.Lock()
         self._busy_until = 0.0  # the push in flight's deadlines, all of them
         self._pending: PendingSend | None = None
+        # Servers whose /pause went unanswered: it may land late; resumed before the next push.
+        self._late_pause: list[VLLMClient] = []
 
     @property
     def info(self) -> InitInfo:
@@ -318,18 +309,22 @@ class Session:
                 flight did not end by its deadlines.
         """
         ticket = self._wait_turn()
-        if self.closed or self.broken:
+        if self.closing or self.broken:
             ticket.hand_over()()
-            if self.closed:
+            if self.closing:
                 raise SenderClosed("this sender is closed; build a new one with connect()")
             raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
-        self._busy_until = time.monotonic() + self.config.wait_timeout_s(0)
+        # Preparing is the caller's own work (tracing, compiling): no deadline of ours.
+        self._busy_until = float("inf")
         return ticket
 
-    def _wait_turn(self) -> Ticket:
+    def _wait_turn(self, *, closing: bool = False) -> Ticket:
+        """This caller's turn, once the push in flight ended (within its
+        deadlines; a push still being prepared has none of ours). Refused
+        once the sender is closing, unless ``closing`` (``close()`` itself)."""
         holder_since = time.monotonic()
         while not self._turn.acquire(timeout=0.05):
-            if self.closed:
+            if self.closing and not closing:
                 raise SenderClosed("this sender is closed; build a new one with connect()")
             if time.monotonic() > max(self._busy_until, holder_since) + CANCEL_GRACE_S:
                 raise SendError("another push on this sender did not end by its deadlines; a "
@@ -355,6 +350,10 @@ class Session:
             SendError: see ``push.Transaction`` and the module docstring.
             KeyboardInterrupt: a Ctrl-C during a blocking push.
         """
+        if self.closing:
+            ticket.hand_over()()
+            raise SenderClosed("the sender was closed while this push was being prepared; "
+                               "nothing was sent")
         conn, broadcaster = self.connection, self._broadcaster_of(self.connection)
         pending = self._pending = PendingSend(push.bound_s)
         self._busy_until = time.monotonic() + push.bound_s + CANCEL_GRACE_S
@@ -372,23 +371,33 @@ class Session:
             return pending
         with _Interrupts() as interrupts:
             try:
-                return pending.run_here(work)
+                stats = pending.run_here(work)
+            except BaseException as e:
+                if interrupts.count != 1 or isinstance(e, KeyboardInterrupt):
+                    raise
+                raise KeyboardInterrupt(f"Ctrl-C; meanwhile the push failed: {e}") from e
             finally:
                 self._pending = None
-                if interrupts.count == 1:
-                    raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
+        if interrupts.count == 1:
+            raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
+        return stats
 
     def _transact(self, push: PreparedPush, conn: Connection, broadcaster: Broadcaster,
                   pending: PendingSend, t0: float) -> SendStats:
-        lane = Lane()
-        tx = Transaction(push, ControlPlane(conn.clients, push.timeout_s), broadcaster, lane,
-                         check=self._checker(pending, conn, push.timeout_s),
-                         cancelled=pending.cancelled)
+        lane, control = Lane(), ControlPlane(conn.clients, push.timeout_s)
+        late, self._late_pause = self._late_pause, []
+        best_effort(functools.partial(c.resume, timeout=push.timeout_s) for c in late)
+        tx = Transaction(push, control, broadcaster, lane,
+                         check=self._checker(pending, conn, push.timeout_s))
         try:
             stats = tx.run()
         except BaseException as e:
+            self._late_pause += control.late_pause  # resumed before the next push
+            if tx.finished and tx.failure is None:  # the weights are in: only /resume failed
+                self.sent = push.sent
+                raise _unresumed(e) from e
             if not tx.announced:  # no collective was started: the group is intact
-                raise _refused(e) from e
+                raise self._refused(e, tx.left_open) from e
             raise self._fail(e, conn, lane, broadcaster) from e
         if tx.failure is not None:
             if tx.announced:
@@ -424,7 +433,7 @@ class Session:
                                broadcaster.close()))
             self._orphans.append(lane)
             self.broken = f"an NCCL call did not return ({why})"
-        self._reset()
+        self._reset(aborted=True)
         if isinstance(exc, (KeyboardInterrupt, Aborted)):
             return KeyboardInterrupt(SECOND_CTRL_C)
         return SendError(
@@ -433,11 +442,35 @@ class Session:
             "(it finishes the servers' open update sessions, and names a server that needs a "
             "restart, if any)")
 
-    def _reset(self) -> None:
-        """The communicator was given up: what the workers hold is unknown."""
+    def _refused(self, exc: BaseException, left_open: bool) -> BaseException:
+        """The error for a push that failed before any ``/update_weights`` was
+        posted: no collective was started, so nothing needs aborting. But a
+        server may be left inside an update session (a start that went
+        unanswered may land late; a finish that failed): the sender is then
+        broken until ``reconnect()`` finishes it."""
+        why = f"{type(exc).__name__}: {exc}"
+        if left_open:
+            self.broken = f"a server may be left inside an update session ({why})"
+        if isinstance(exc, (KeyboardInterrupt, Aborted)):
+            return KeyboardInterrupt("Ctrl-C before any weights were sent; the servers keep "
+                                     "theirs" + ("; call reconnect() before the next send"
+                                                 if left_open else ""))
+        if left_open:
+            return SendError(f"weight push failed before any weights were sent: {why}. A "
+                             "server may be left inside its update session: call reconnect() "
+                             "(it finishes open sessions) before the next send")
+        late = (" A server that did not answer its /pause may pause late (it was sent a "
+                "/resume): resume it if it stays paused."
+                if isinstance(exc, VLLMConnectionError) else "")
+        return SendError(f"weight push failed before any weights were sent: {why}. The "
+                         f"servers keep their weights and the sender is usable.{late}")
+
+    def _reset(self, aborted: bool) -> None:
+        """The communicator was given up: the metadata the workers hold is
+        unknown (``aborted``: so are their weights)."""
         self.sent = {}
         for hook in self.on_reset:
-            hook()
+            hook(aborted)
 
     def _broadcaster_of(self, conn: Connection) -> Broadcaster:
         if self._broadcaster is None:
@@ -456,7 +489,7 @@ class Session:
             RendezvousError: the new group could not be formed.
             SenderClosed: the sender is closed.
         """
-        if self.closed:
+        if self.closing:
             raise SenderClosed("this sender is closed; build a new one with connect()")
         with self._wait_turn():
             deadline = Deadline(self.config.reconnect_timeout_s)
@@ -470,25 +503,33 @@ class Session:
         its arrays is cancelled), free the streams and buffers, shut the
         servers' engines down, free the communicator, close the HTTP
         clients this sender made. Calling it again does nothing."""
-        if self.closed:
+        with self._closing_lock:
+            first, self.closing = not self.closing, True
+        if not first:  # closed, or being closed by another thread
+            self._closed.wait(self._busy_deadline_s() + 60.0)
             return
-        pending = self._pending
-        if pending is not None and not pending.done():
-            pending.cancel("close()")
         try:
-            ticket = self._wait_turn()
+            ticket = self._wait_turn(closing=True)
         except SendError:
             ticket = Ticket(lambda: None)  # the push in flight overran: tear down beside it
         with ticket:
             self.closed = True
-            self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
-            for client in getattr(self.route, "clients", []):
-                client.close()
+            try:
+                self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
+                for client in getattr(self.route, "clients", []):
+                    client.close()
+            finally:
+                self._closed.set()
+
+    def _busy_deadline_s(self) -> float:
+        """Seconds until the push in flight's deadlines have all passed (0 if none)."""
+        left = self._busy_until - time.monotonic()
+        return min(max(left, 0.0), 24 * 3600.0)
 
     def _drop_connection(self, deadline: Deadline, *, strict: bool) -> None:
         """Free the broadcaster, release the servers, free the communicator
         (unless an abandoned lane is still inside one of its calls)."""
-        self._reset()
+        self._reset(aborted=False)
         if self._broadcaster is not None:
             self._broadcaster.close()
             self._broadcaster = None

@@ -63,7 +63,8 @@ class SparseSender:
         self._descriptions = Descriptions(mapping, device, None)
         self._place = Placement(mapping=mapping, device=device,
                                 wait_timeout_s=session.config.wait_timeout_s)
-        self._unknown = False  # the servers hold an incomplete update
+        self._unknown = False  # what the servers hold is unknown: the next push sends all
+        session.on_reset.append(self._forget)
 
     @classmethod
     def connect(cls, servers: Servers, *, device: int | None = None,
@@ -146,6 +147,10 @@ class SparseSender:
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
 
+    def _forget(self, aborted: bool) -> None:
+        """A push aborted mid-stream may have changed some of the weights."""
+        self._unknown = self._unknown or aborted
+
     def _previous(self, previous: Any, metas: list[TensorMeta], tolerance: float | None,
                   get_new: Callable[[int], jax.Array]) -> Callable[[int], jax.Array]:
         """Tensor ``i`` of what the workers hold, checked against ``metas``."""
@@ -156,7 +161,7 @@ class SparseSender:
             return lambda i: _unlike(get_new(i))
         if self._unknown:
             raise MetadataError(
-                "the servers hold an incomplete update (the last push failed after it "
+                "the servers may hold an incomplete update (the last push failed after it "
                 "started), so what they hold is unknown: send(params, None) pushes every "
                 "element and repairs it")
         before, old_sources = describe(previous, self.mapping)

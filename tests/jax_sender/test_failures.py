@@ -14,7 +14,6 @@ import pytest
 
 from jax_sender import (
     MetadataError,
-    PushCancelled,
     SendConfig,
     SenderClosed,
     SendError,
@@ -181,7 +180,9 @@ def test_close_lets_a_push_in_flight_end_on_the_servers():
     assert pushed(server)[-1] == "/shutdown_weight_transfer_engine" and caster.closed
 
 
-def test_close_cancels_a_push_still_waiting_for_its_arrays():
+def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
+    """``close()`` does not drop a push in flight: one still waiting for its
+    arrays waits for them (the push's deadline bounds it), then runs."""
     sender, (server,), _ = memory_sender(SMALL)
     sender.send(params())
     tree = slow_step()(params(2))
@@ -189,14 +190,11 @@ def test_close_cancels_a_push_still_waiting_for_its_arrays():
     deadline = time.monotonic() + 10
     while "/start_weight_update" not in pushed(server)[3:] and time.monotonic() < deadline:
         time.sleep(0.005)
-    t = time.monotonic()
+    assert not tree["head"].is_ready()
     sender.close()
-    assert time.monotonic() - t < 1.0 and not tree["head"].is_ready()
-    with pytest.raises(PushCancelled, match=r"before any weights were sent.*cancelled \(close"):
-        pending.result(5)
-    assert pushed(server)[3:] == ["/start_weight_update", "/finish_weight_update",
-                                  "/shutdown_weight_transfer_engine"]
-    jax.block_until_ready(tree)  # XLA's work must not outlive the interpreter
+    assert pending.result(5).tensors == 5 and held(server) == expected(params(2))
+    assert pushed(server)[3:] == ["/start_weight_update", "/update_weights",
+                                  "/finish_weight_update", "/shutdown_weight_transfer_engine"]
 
 
 def interrupt_once_sent(caster, times: int = 1) -> None:

@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from jax_sender import TransferError
-from nccl_cffi import CudaError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -83,7 +82,6 @@ def test_device_calls_without_a_driver_say_so(call):
     out = child(code=code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("no NVIDIA driver found") and "libcuda.so.1" in out.stdout
-    assert issubclass(CudaError, Exception)
 
 
 def test_bench_ranks_get_their_ids_in_the_environment_not_the_command_line(tmp_path):

@@ -189,7 +189,7 @@ def test_sparse_update_info_follows_vllms_rules():
         (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[1, 2]),
          "same size as `names`"),
         (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[-1]),
-         ">= 0"),
+         "Sparse `num_updates_list` entries must be non-negative"),
         (dict(names=["a"], dtype_names=["float32"], shapes=[[1]], num_updates_list=[1],
               src=1), "unexpected keyword argument 'src'"),
     ]:

@@ -56,20 +56,27 @@ def test_a_thread_inside_a_job_is_never_given_another():
 
 
 def test_a_forked_child_makes_its_own_threads():
+    """The parent keeps an idle thread for jobs named "push"; a forked child
+    has no such thread, so its "push" job must get a new one (it would wait
+    for ever on the parent's, which did not survive the fork)."""
     code = """
-import os, threading
-from nccl_cffi.threads import run_in_thread
+import os, threading, time
+from nccl_cffi.threads import _idle, run_in_thread
 done = threading.Event()
-run_in_thread(done.set, "parent")
+run_in_thread(done.set, "push")
 assert done.wait(10)
+deadline = time.monotonic() + 10
+while not _idle.get("push") and time.monotonic() < deadline:  # back in the pool
+    time.sleep(0.005)
+assert _idle.get("push"), "the parent's thread never went idle"
 pid = os.fork()
 if pid == 0:
     ok = threading.Event()
-    run_in_thread(ok.set, "child")
-    os._exit(0 if ok.wait(10) else 1)
+    run_in_thread(ok.set, "push")  # the parent's kind: its idle thread is not here
+    os._exit(0 if ok.wait(5) else 1)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
-    assert out.stdout.strip() == "child 0", out.stderr[-2000:]
+    assert out.stdout.strip() == "child 0", (out.stdout, out.stderr[-2000:])

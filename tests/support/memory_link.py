@@ -159,6 +159,29 @@ class MemoryBroadcaster:
         self.closed = True
 
 
+def memory_route(config: SendConfig = SendConfig(), *, servers: int = 1, workers: int = 1,
+                 sparse: bool = False) -> tuple[SingleProcess, list[MemoryServer], _Tee]:
+    """A single-process route (not formed yet) to ``servers`` memory servers
+    of ``workers`` workers each, joined through ``MemoryJoin``, and the wire
+    that feeds them all: for a test that forms the group itself (to hold an
+    init past its deadline, say); ``sender_on`` makes the sender."""
+    wires = [queue.Queue() for _ in range(servers)]
+    hosts = [MemoryServer(w, workers=workers, sparse=sparse) for w in wires]
+    clients = [VLLMClient(h.url, timeout=20) for h in hosts]
+    route = SingleProcess(clients=clients, device=0, config=config, joiner=MemoryJoin())
+    return route, hosts, _Tee(wires)
+
+
+def sender_on(route: SingleProcess, wire: _Tee, *, delay_s: float = 0.0,
+              kind: type = WeightSender, **kwargs) -> tuple[Any, MemoryBroadcaster]:
+    """A sender (``kind``) on JAX's first CPU device over ``route``, formed
+    now within the config's ``init_timeout_s``."""
+    caster = MemoryBroadcaster(wire, delay_s)
+    session = Session(route, route.form(route.config.init_timeout_s), route.config,
+                      broadcaster=lambda _: caster)
+    return kind(session, device=jax.devices("cpu")[0], **kwargs), caster
+
+
 def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1, workers: int = 1,
                   delay_s: float = 0.0, kind: type = WeightSender,
                   **kwargs) -> tuple[Any, list[MemoryServer], MemoryBroadcaster]:
@@ -166,15 +189,10 @@ def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1, worker
     ``uniqueid.connect`` to ``servers`` memory servers of ``workers`` workers
     each, which one broadcast feeds (like one NCCL group); a
     ``SparseSender``'s servers run ``sparse_nccl``."""
-    wires = [queue.Queue() for _ in range(servers)]
-    hosts = [MemoryServer(w, workers=workers, sparse=kind is SparseSender) for w in wires]
-    clients = [VLLMClient(h.url, timeout=20) for h in hosts]
     if kind is SparseSender:
         from dataclasses import replace
         config = replace(config, packed=False)
-    route = SingleProcess(clients=clients, device=0, config=config, joiner=MemoryJoin())
-    caster = MemoryBroadcaster(_Tee(wires), delay_s)
-    session = Session(route, route.form(config.init_timeout_s), config,
-                      broadcaster=lambda _: caster)
-    sender = kind(session, device=jax.devices("cpu")[0], **kwargs)
+    route, hosts, wire = memory_route(config, servers=servers, workers=workers,
+                                      sparse=kind is SparseSender)
+    sender, caster = sender_on(route, wire, delay_s=delay_s, kind=kind, **kwargs)
     return sender, hosts, caster

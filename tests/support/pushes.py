@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sender import Mapping, SendConfig, describe
+from jax_sender import SendConfig
 
 SMALL = SendConfig(buffer_size_bytes=4096, num_buffers=2)
 
@@ -27,12 +27,28 @@ def held(server) -> dict[str, bytes]:
     return {k: v.tobytes() for k, v in server.store.items()}
 
 
+def leaves(tree, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    """(path, leaf) of a tree of dicts, lists and tuples, in JAX's order (dict
+    keys sorted, sequences in order, ``None`` an empty subtree), or of
+    ``(name, array)`` pairs; written out here, not read from the library, so
+    a wrong name or order there cannot agree with itself."""
+    if not path and isinstance(tree, list) and tree and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in tree):
+        return [((name,), a) for name, a in tree]
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in leaves(tree[k], (*path, str(k)))]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in leaves(v, (*path, str(i)))]
+    return [(path, tree)]
+
+
 def expected(tree, transform=None) -> dict[str, bytes]:
-    """What the workers should hold after ``tree`` was pushed (through ``transform``)."""
-    mapping = Mapping() if transform is None else Mapping(transform=transform)
-    metas, sources = describe(tree, mapping)
-    return {m.name: np.asarray(a if transform is None else transform(p, a)).tobytes()
-            for m, (p, a) in zip(metas, sources)}
+    """What the workers should hold after ``tree`` was pushed (through
+    ``transform``): each leaf's bytes under its dotted path."""
+    return {".".join(p): np.asarray(a if transform is None else transform(p, a)).tobytes()
+            for p, a in leaves(tree)}
 
 
 def pushed(server) -> list[str]:

@@ -5,6 +5,7 @@
 (``jax_sender.testing.server`` with no GPU workers) applies vLLM's validation rules.
 """
 
+import base64
 import json
 import time
 
@@ -51,7 +52,7 @@ def test_every_route_sends_vllms_exact_body(recorder):
     expect = [
         ("GET", "/get_world_size", b""),
         ("POST", "/init_weight_transfer_engine",
-         b'{"init_info":{"nccl_unique_id_b64":"' + uid.to_b64().encode() +
+         b'{"init_info":{"nccl_unique_id_b64":"' + base64.b64encode(uid.raw) +
          b'","rank_offset":1,"world_size":3,"packed":true,'
          b'"packed_buffer_size_bytes":1073741824,"packed_num_buffers":2}}'),
         ("POST", "/start_weight_update", b""),

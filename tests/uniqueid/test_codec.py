@@ -3,7 +3,7 @@
 import base64
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from uniqueid import B64_LENGTH, InitInfo, UniqueId, UniqueIdError, check_rendezvous_mode
@@ -34,7 +34,9 @@ def test_never_printed():
 
 @given(st.binary(min_size=128, max_size=128))
 def test_round_trip_any_bytes(raw):
-    assert UniqueId.from_b64(UniqueId(raw).to_b64()).raw == raw
+    text = UniqueId(raw).to_b64()
+    assert text == base64.b64encode(raw).decode()  # standard, padded: what vLLM decodes
+    assert UniqueId.from_b64(text).raw == raw
 
 
 def _urlsafe_only():
@@ -81,6 +83,66 @@ def test_fuzz_never_crashes_and_agrees_with_vllm(text):
     except UniqueIdError:
         ours = None
     assert ours == vllm_ok
+
+
+# Small changes to a good id's text: a character of another alphabet (or of the
+# same: still an id, another one), padding added or taken away, whitespace,
+# characters dropped or added.
+_CHARS = st.sampled_from(list("AZaz09+/") + list("-_=*.~é") + [" ", "\n", "\t", "\r"])
+_mutations = st.one_of(
+    st.tuples(st.just("replace"), st.integers(0, 175), _CHARS),
+    st.tuples(st.just("insert"), st.integers(0, 175), _CHARS),
+    st.tuples(st.just("delete"), st.integers(0, 175), st.integers(1, 4)),
+    st.tuples(st.just("strip padding"), st.just(0), st.just(0)),
+    st.tuples(st.just("pad"), st.integers(1, 3), st.just(0)),
+)
+
+
+def _mutate(text: str, how: str, at, what) -> str:
+    at = min(at, len(text))
+    if how == "replace":
+        return text[:at] + what + text[at + 1:]
+    if how == "insert":
+        return text[:at] + what + text[at:]
+    if how == "delete":
+        return text[:at] + text[at + what:]
+    if how == "strip padding":
+        return text.rstrip("=")
+    return text + "=" * at
+
+
+def _vllm_accepts(text: str) -> bytes | None:
+    """vLLM's decode (``b64decode(validate=True)``, exactly 128 bytes) and the
+    padding rule the codec states: whole 4-character groups, ``=`` only at the end."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        return None
+    if len(raw) != 128 or len(text) % 4 or "=" in text.rstrip("="):
+        return None
+    return raw
+
+
+def test_a_good_id_changed_a_little_is_taken_exactly_when_vllm_takes_it():
+    seen = {"taken": 0, "refused": 0}
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.binary(min_size=128, max_size=128), st.lists(_mutations, max_size=3))
+    def run(raw, mutations):
+        text = base64.b64encode(raw).decode()
+        for m in mutations:
+            text = _mutate(text, *m)
+        want = _vllm_accepts(text)
+        try:
+            got = UniqueId.from_b64(text).raw
+        except UniqueIdError:
+            got = None
+        assert got == want, (text, mutations)
+        seen["taken" if want is not None else "refused"] += 1
+
+    run()
+    total = sum(seen.values())  # both ways, in a fair share of the examples
+    assert seen["taken"] >= 0.1 * total and seen["refused"] >= 0.1 * total, seen
 
 
 def test_raw_length_checked():
