@@ -488,6 +488,9 @@ def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Join
         comm.abort("server init failed")
         if isinstance(e, RendezvousTimeout):
             raise
+        if isinstance(e, TimeoutError):  # the init's own call ran out of the same deadline
+            raise RendezvousTimeout(f"the workers joined but a server's init did not answer "
+                                    f"in time: {e}") from e
         raise RendezvousError(f"the server failed init after the group formed: {e}") from e
     return comm
 

@@ -268,7 +268,7 @@ def test_reconnect_names_a_stuck_server_within_its_deadline():
     t = time.monotonic()
     with pytest.raises(ServerStuck, match=f"{server.url}.*restart that server"):
         sender.reconnect()
-    assert time.monotonic() - t < 2.0 and sender.broken
+    assert time.monotonic() - t < 1.0 + 1.5 and sender.broken
     server.hold["/shutdown_weight_transfer_engine"].set()
 
 
