@@ -479,10 +479,10 @@ class WeightSender:
         self.session.reconnect()
 
     def close(self) -> None:
-        """Let a push in flight end on the servers (one still waiting for its
-        arrays is cancelled), release the servers and free everything (see
-        ``Session.close``). A server that cannot be released is logged, not
-        raised; calling it again does nothing."""
+        """Let a push in flight end on the servers (within its deadlines),
+        release the servers and free everything (see ``Session.close``). A
+        server that cannot be released is logged, not raised; calling it
+        again does nothing."""
         self.session.close()
 
     def __enter__(self) -> WeightSender:

@@ -499,10 +499,11 @@ class Session:
             self.broken = ""
 
     def close(self) -> None:
-        """Let a push in flight end on the servers (one still waiting for
-        its arrays is cancelled), free the streams and buffers, shut the
-        servers' engines down, free the communicator, close the HTTP
-        clients this sender made. Calling it again does nothing."""
+        """Let a push in flight end on the servers (within its deadlines; a
+        push still being prepared is refused with ``SenderClosed``), free
+        the streams and buffers, shut the servers' engines down, free the
+        communicator, close the HTTP clients this sender made. Calling it
+        again, from any thread, does nothing."""
         with self._closing_lock:
             first, self.closing = not self.closing, True
         if not first:  # closed, or being closed by another thread
