@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.sharding import SingleDeviceSharding
 
 from .errors import MetadataError
 from .group import gather, ready
@@ -124,6 +125,21 @@ _aval = operator.attrgetter("aval")
 _sharding = operator.attrgetter("sharding")
 
 
+def alone_on(array: Any, device: jax.Device) -> bool:
+    """A JAX array on ``device`` alone, with no mesh around it."""
+    return (isinstance(array, jax.Array) and isinstance(array.sharding, SingleDeviceSharding)
+            and array.sharding.device_set == {device})
+
+
+def unmeshed(arrays: Sequence[jax.Array], device: jax.Device) -> list[jax.Array]:
+    """``arrays`` (each on ``device`` alone) with no mesh around them. Why:
+    one on a one-device mesh with Explicit axes (as ``jax.make_mesh`` makes
+    them) cannot meet an unsharded buffer in a jitted call. Its one shard is
+    the whole array, as a view of the same buffer: nothing is copied."""
+    return [a if isinstance(a.sharding, SingleDeviceSharding) else a.addressable_data(0)
+            for a in arrays]
+
+
 def on_device(sources: Sources, device: jax.Device) -> bool:
     """Every source a JAX array on ``device`` alone (nothing to gather or move).
     Known without a look at each array for what ``Descriptions.of`` returned."""
@@ -132,6 +148,11 @@ def on_device(sources: Sources, device: jax.Device) -> bool:
     dev = {device}
     return all(isinstance(a, jax.Array) and a.sharding.device_set == dev
                for a in sources.arrays)
+
+
+def addressable(sources: Sources) -> bool:
+    """Every source a JAX array this process can wait for (none to gather)."""
+    return all(isinstance(a, jax.Array) and a.is_fully_addressable for a in sources.arrays)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,12 +231,12 @@ class Placement:
         owners first; one elsewhere or sharded is moved (one full copy)."""
         if isinstance(arr, jax.Array) and not arr.is_fully_addressable:
             arr = ready(gather(arr), self.wait_timeout_s(arr.nbytes), f"the gather of {path}")
-        if not isinstance(arr, jax.Array) or arr.sharding.device_set != {self.device}:
+        if not alone_on(arr, self.device):
             arr = jax.device_put(arr, self.device)
         if self.mapping.transform is identity:
             return arr
         out = self.mapping.apply(path, arr)
-        if out.sharding.device_set != {self.device}:
+        if not alone_on(out, self.device):
             out = jax.device_put(out, self.device)
         return out
 

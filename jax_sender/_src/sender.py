@@ -32,7 +32,16 @@ from uniqueid import UpdateInfo, as_clients
 
 from .broadcaster import Broadcaster, parts_of
 from .config import SendConfig
-from .describe import Descriptions, Placement, Sources, describe, on_device, readiness
+from .describe import (
+    Descriptions,
+    Placement,
+    Sources,
+    addressable,
+    describe,
+    on_device,
+    readiness,
+    unmeshed,
+)
 from .errors import MetadataError, TransferError
 from .feeds import Copies, Produced, Received, Tensors
 from .group import Share, TrainerGroup, join_gathers, share_from_process_0
@@ -326,10 +335,10 @@ class WeightSender:
                                           root=t.turn.src), ready
             get, temporaries = arrays.__getitem__, False
         else:
-            # Arrays on the device are waited for before any /update_weights, with
-            # or without a transform; others (host data, gathers) are got on the lane.
+            # Arrays this process holds are waited for before any /update_weights,
+            # with or without a transform; others (host data, gathers) are got on the lane.
             local = on_device(sources, self.device)
-            ready = readiness(sources) if local else None
+            ready = readiness(sources) if local or addressable(sources) else None
             if packed and local and self.mapping.transform is not identity:
                 return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
             get, temporaries = self._place.getter(metas, sources)
@@ -375,7 +384,7 @@ class WeightSender:
         # The copies are what ``describe`` traced (the same transform, jitted), so
         # their metadata needs no check: the trainer waits for this call alone.
         return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.apply)(
-            sources.arrays), chunks=False)
+            unmeshed(sources.arrays, self.device)), chunks=False)
 
     def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
                       sources: Sources) -> list[jax.Array]:
@@ -397,7 +406,7 @@ class WeightSender:
         of one tensor is the transform's output itself, unless ``copy`` (a
         snapshot must not share the caller's arrays)."""
         paths = [sources.paths[i] for i in turn.turn.params]
-        arrays = [sources.arrays[i] for i in turn.turn.params]
+        arrays = unmeshed([sources.arrays[i] for i in turn.turn.params], self.device)
         transform = self.mapping.apply
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:

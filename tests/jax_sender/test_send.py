@@ -370,3 +370,25 @@ def test_one_leaf_becomes_several_tensors_in_every_mode(packed, wait, max_tensor
     with pytest.raises(MetadataError, match="no checkpoint name for the leaf at 'extra'"):
         sender.send(dict(stacked_tree(2), extra=jnp.ones(3)))
     assert pushed(server).count("/start_weight_update") == 2
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("wait", [True, False])
+def test_arrays_on_a_mesh_with_explicit_axes_land(packed, wait):
+    """``jax.make_mesh`` makes Explicit axes: such an array cannot meet an
+    unsharded chunk buffer in one jitted call, so the sender takes its one
+    shard (the same buffer) instead; through a transform, packed by XLA or
+    not, blocking or not, it lands bit-exact."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.make_mesh((1,), ("x",))
+    tree = {"w": jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(8, 8),
+                                NamedSharding(mesh, PartitionSpec("x"))),
+            "b": jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, PartitionSpec()))}
+    sender, (server,), caster = memory_sender(SendConfig(packed=packed, buffer_size_bytes=4096),
+                                              mapping=Mapping(transform=lambda p, x: x.T))
+    out = sender.send(tree, wait=wait)
+    if not wait:
+        out.result(timeout=20)
+    assert held(server) == {"w": np.arange(64, dtype=np.float32).reshape(8, 8).T.tobytes(),
+                            "b": np.ones(8, np.float32).tobytes()}
+    assert caster.passes == (["xla"] if packed else ["tensors"])
