@@ -47,6 +47,8 @@ def _need_tensor_lists(info: Any) -> None:
         value = getattr(info, key)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise TypeError(f"`{key}` must be a list of str, got {value!r}")
+    if not isinstance(info.shapes, list):
+        raise TypeError(f"`shapes` must be a list of lists of ints >= 0, got {info.shapes!r}")
     for shape in info.shapes:
         if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
