@@ -392,3 +392,15 @@ def test_arrays_on_a_mesh_with_explicit_axes_land(packed, wait):
     assert held(server) == {"w": np.arange(64, dtype=np.float32).reshape(8, 8).T.tobytes(),
                             "b": np.ones(8, np.float32).tobytes()}
     assert caster.passes == (["xla"] if packed else ["tensors"])
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_the_pause_mode_asked_for_is_the_one_the_servers_get(mode):
+    """``keep`` freezes requests and ``abort`` drops them: a push that asked
+    for one must not do the other to the servers' clients."""
+    sender, servers, _ = memory_sender(SMALL, servers=2)
+    sender.send(params(), pause=mode)
+    for server in servers:
+        (pause,) = calls(server, "/pause")
+        assert pause.query == f"mode={mode}" and pushed(server)[0] == "/pause"
+        assert not server.paused
