@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
 from typing import Any, Generic, TypeVar
 
 from .threads import run_in_thread
@@ -147,11 +146,15 @@ def await_future(future: Future, deadline: float | Callable[[], float | None] | 
         left = 0.05 if limit is None else min(0.05, max(limit - time.monotonic(), 0.0))
         # Not ``future.result(timeout)``: a future whose own exception is a
         # TimeoutError would read as not done yet (FutureTimeout is TimeoutError).
-        if wait_futures([future], timeout=left).done:
-            future.result()
-            return True
-        if limit is not None and time.monotonic() > limit:
-            return False
+        # ``exception`` raises FutureTimeout only while the future runs.
+        try:
+            future.exception(timeout=left)
+        except FutureTimeout:
+            if limit is not None and time.monotonic() > limit:
+                return False
+            continue
+        future.result()
+        return True
 
 
 def in_background(fn: Callable[..., T], *args: Any, name: str) -> Future[T]:
