@@ -227,25 +227,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
                  device: int | None = None, rollout_actor: Any = None, mesh: Any = None,
                  rollout_config: base_rollout.RolloutConfig | None = None):
         urls = [servers] if isinstance(servers, str) else list(servers or [])
-        if not urls:
-            raise ValueError("VLLMServerRollout needs the vLLM server URL(s) for the "
-                             "completions route")
-        if sender is not None and mapping is None:
-            mapping = sender.mapping
-        if not isinstance(mapping, Mapping):
-            raise ValueError(f"mapping must be a jax_sender Mapping (e.g. TUNIX_QWEN3), got "
-                             f"{mapping!r}")
-        if sender is not None and sender.mapping is not mapping:
-            raise ValueError("the sender was connected with another mapping than mapping=: "
-                             "give the sender alone (its mapping names the push)")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
-                and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
-        if not (isinstance(max_prompts_per_request, int) and max_prompts_per_request >= 1):
-            raise ValueError("max_prompts_per_request must be a positive int, got "
-                             f"{max_prompts_per_request!r}")
-        if pause not in (None, "abort", "wait", "keep"):
-            raise ValueError(f"pause must be 'abort', 'wait', 'keep' or None, got {pause!r}")
+        mapping = _checked(urls, mapping, sender, timeout_s, max_prompts_per_request, pause)
         self._urls = urls
         self._mapping = mapping
         self._config = config
@@ -427,12 +409,22 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         n = kwargs.pop("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
+        ids, field = self._prompt_field(prompts)
+        answered = self._complete(field, self._sampling(cfg, n, kwargs), per_prompt=n)
+        prompt_ids, tokens, texts, logprobs = self._samples(answered, ids, n,
+                                                            cfg.return_logprobs)
+        return base_rollout.RolloutOutput(
+            text=texts, logits=None, tokens=tokens, logprobs=logprobs,
+            left_padded_prompt_tokens=self._left_padded(prompt_ids, cfg, n))
+
+    def _sampling(self, cfg: base_rollout.RolloutConfig, n: int,
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request's sampling fields, from the rollout config and extras."""
         extra = {**(cfg.rollout_vllm_sampling_kwargs or {}), **kwargs}
         clash = sorted(set(extra) & _OWN_FIELDS)
         if clash:
             raise ValueError(f"{', '.join(clash)} cannot be passed as request fields: "
                              "VLLMServerRollout sets them itself")
-        ids, field = self._prompt_field(prompts)
         body: dict[str, Any] = {
             "max_tokens": int(cfg.max_tokens_to_generate),
             "temperature": float(cfg.temperature),
@@ -455,25 +447,20 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         if cfg.return_logprobs:
             body["logprobs"] = 0  # the sampled token's own logprob
         body.update(extra)
-        answered = self._complete(field, body, per_prompt=n)
+        return body
+
+    def _samples(self, answered: list[tuple[str, dict[str, Any]]], ids: list[list[int]] | None,
+                 n: int, want_logprobs: bool) -> tuple[list[list[int]], list[np.ndarray],
+                                                       list[str], list[np.ndarray] | None]:
+        """Each prompt's ids, and each sample's tokens, text and logprobs."""
         prompt_ids: list[list[int]] = []
         tokens: list[np.ndarray] = []
         texts: list[str] = []
-        logprobs: list[np.ndarray] | None = [] if cfg.return_logprobs else None
+        logprobs: list[np.ndarray] | None = [] if want_logprobs else None
         for k, (where, choice) in enumerate(answered):
-            i = k // n
-            sent = ids[i] if ids is not None else None
-            got_prompt = choice.get("prompt_token_ids")
-            if sent is None:
-                if not (isinstance(got_prompt, list) and got_prompt):
-                    raise _protocol(where, f"answered choice {k} without "
-                                    "prompt_token_ids although return_token_ids was set")
-                sent = _ids(got_prompt, f"choice {k}'s prompt_token_ids")
-            elif got_prompt is not None and list(got_prompt) != sent:
-                raise _protocol(where, f"answered choice {k} for prompt tokens "
-                                "other than those sent (was the prompt truncated?)")
             if k % n == 0:
-                prompt_ids.append(sent)
+                prompt_ids.append(_prompt_of(choice, None if ids is None else ids[k // n],
+                                             k, where))
             out_ids = _choice_tokens(choice, k, where)
             tokens.append(np.asarray(out_ids, dtype=np.int32))
             if self._tokenizer is not None:
@@ -482,6 +469,11 @@ class VLLMServerRollout(base_rollout.BaseRollout):
                 texts.append(str(choice.get("text", "")))
             if logprobs is not None:
                 logprobs.append(_choice_logprobs(choice, out_ids, k, where))
+        return prompt_ids, tokens, texts, logprobs
+
+    def _left_padded(self, prompt_ids: list[list[int]], cfg: base_rollout.RolloutConfig,
+                     n: int) -> np.ndarray:
+        """The prompts left-padded as Tunix's vLLM sampler pads them, one row a sample."""
         longest = max(len(p) for p in prompt_ids)
         width = int(cfg.max_prompt_length or 0)
         if width < longest:
@@ -490,10 +482,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         for r, p in enumerate(prompt_ids):
             if p:
                 padded[r, width - len(p):] = p
-        if n > 1:
-            padded = np.repeat(padded, n, axis=0)
-        return base_rollout.RolloutOutput(text=texts, logits=None, tokens=tokens,
-                                          left_padded_prompt_tokens=padded, logprobs=logprobs)
+        return np.repeat(padded, n, axis=0) if n > 1 else padded
 
     def get_per_token_logps(self, prompt_tokens: Any, completion_tokens: Any,
                             *args: Any, **kwargs: Any) -> Any:
@@ -704,6 +693,45 @@ _VARIABLE_TYPES = tuple(t for t in (nnx.Variable, vars(nnx).get("VariableState")
 def _leaves(tree: Any) -> list[Any]:
     """The tree's leaves, NNX variables kept whole (their type tells LoRA)."""
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, _VARIABLE_TYPES))
+
+
+def _checked(urls: list[str], mapping: Mapping | None, sender: WeightSender | None,
+             timeout_s: Any, max_prompts: Any, pause: Any) -> Mapping:
+    """The rollout's settings, refused before anything connects; the mapping
+    (the sender's, when only a sender is given)."""
+    if not urls:
+        raise ValueError("VLLMServerRollout needs the vLLM server URL(s) for the "
+                         "completions route")
+    if sender is not None and mapping is None:
+        mapping = sender.mapping
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"mapping must be a jax_sender Mapping (e.g. TUNIX_QWEN3), got "
+                         f"{mapping!r}")
+    if sender is not None and sender.mapping is not mapping:
+        raise ValueError("the sender was connected with another mapping than mapping=: "
+                         "give the sender alone (its mapping names the push)")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
+    if not (isinstance(max_prompts, int) and max_prompts >= 1):
+        raise ValueError(f"max_prompts_per_request must be a positive int, got {max_prompts!r}")
+    if pause not in (None, "abort", "wait", "keep"):
+        raise ValueError(f"pause must be 'abort', 'wait', 'keep' or None, got {pause!r}")
+    return mapping
+
+
+def _prompt_of(choice: dict[str, Any], sent: list[int] | None, k: int, where: str) -> list[int]:
+    """The prompt a choice answered: the ids sent, checked against those it
+    names, or (a text prompt, no tokenizer) the ids it names."""
+    got = choice.get("prompt_token_ids")
+    if sent is None:
+        if not (isinstance(got, list) and got):
+            raise _protocol(where, f"answered choice {k} without prompt_token_ids although "
+                            "return_token_ids was set")
+        return _ids(got, f"choice {k}'s prompt_token_ids")
+    if got is not None and list(got) != sent:
+        raise _protocol(where, f"answered choice {k} for prompt tokens other than those sent "
+                        "(was the prompt truncated?)")
+    return sent
 
 
 def _choice_tokens(choice: dict[str, Any], k: int, where: str) -> list[int]:
