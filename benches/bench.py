@@ -117,7 +117,7 @@ class Session:
             return ReferenceServer([gpu], backend="sparse_nccl" if sparse else "nccl")
         name = f"vllm_{'sparse_' * sparse}server_{gpu}"
         return VLLMServer(gpu, output=self.out / f"{name}.log",
-                          requests=pathlib.Path(f"/tmp/bench_{name}.jsonl"), sparse=sparse)
+                          requests=self.out / f"{name}.requests.jsonl", sparse=sparse)
 
     def stage(self, name: str, run_stage: Callable[[], None]) -> None:
         """Run a stage; its failure is recorded and the others still run."""

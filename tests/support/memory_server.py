@@ -6,8 +6,8 @@ library's own ``UpdateInfo``, so a wrong rule in the library agrees with
 itself and every send test passes. Nothing here imports ``jax_sender`` or
 ``uniqueid``: every rule below was read from vLLM 0.33.0's source (file and
 function cited where the rule is applied), with the few **[newer]** additions
-(``update_info.src``) taken from the newer reference pages in
-``/work/shared/seeds``.
+(``update_info.src``) taken from the newer pages of vLLM's NCCL
+weight-transfer engine (trainer and worker).
 
 ``MemoryServer`` serves vLLM's weight-transfer routes over real HTTP on
 loopback (one process standing for all of a deployment's workers, which
