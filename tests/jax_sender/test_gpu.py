@@ -181,6 +181,13 @@ def test_send_to_vllm_0_33(vllm_server, mode):
     run("send", url, mode, "1", "3", timeout=300)
 
 
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_a_tunix_qwen3_tree_into_vllm_0_33(vllm_server, mode):
+    """``send(nnx.state(model, nnx.Param))`` of Tunix's Qwen3 layout through
+    ``TUNIX_QWEN3`` lands as the Hugging Face tensors vLLM loads."""
+    print(run("tunix_qwen3", vllm_server[0], mode, timeout=300))
+
+
 def test_vllm_refusal_during_init_raises_fast(vllm_server):
     run("vllm_refused", vllm_server[0], timeout=120)
 

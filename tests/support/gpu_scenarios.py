@@ -907,5 +907,78 @@ def many_sends(url: str, mode: str, count: str) -> None:
           f"{rss[-1] / 2**20:.1f} MiB")
 
 
+# -- a Tunix model tree through TUNIX_QWEN3 ----------------------------------------
+
+def _tunix_qwen3_tree(seed: int, layers: int = 2, embed: int = 64, heads: int = 4,
+                      kv_heads: int = 2, head_dim: int = 24, ffn: int = 96, vocab: int = 160):
+    """Tunix's Qwen3 ``nnx.state(model, nnx.Param)`` as a pure dict (every leaf
+    path ends in ``value``); ``heads * head_dim != embed``, so a swapped
+    reshape cannot pass."""
+    import jax
+    import jax.numpy as jnp
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16 * layers + 8))
+    w = lambda *s: {"value": jax.random.normal(next(keys), s, jnp.bfloat16)}  # noqa: E731
+    layer = lambda: {  # noqa: E731
+        "attn": {"q_proj": {"w": w(embed, heads, head_dim)},
+                 "k_proj": {"w": w(embed, kv_heads, head_dim)},
+                 "v_proj": {"w": w(embed, kv_heads, head_dim)},
+                 "o_proj": {"w": w(heads, head_dim, embed)},
+                 "q_norm": {"w": w(head_dim)}, "k_norm": {"w": w(head_dim)}},
+        "mlp": {"gate_proj": {"kernel": w(embed, ffn)}, "up_proj": {"kernel": w(embed, ffn)},
+                "down_proj": {"kernel": w(ffn, embed)}},
+        "input_layernorm": {"w": w(embed)}, "post_attention_layernorm": {"w": w(embed)}}
+    return {"embedder": {"input_embedding": w(vocab, embed)}, "final_norm": {"w": w(embed)},
+            "lm_head": {"w": w(embed, vocab)}, "layers": {str(i): layer() for i in range(layers)}}
+
+
+def _hugging_face(tree) -> dict:
+    """The Hugging Face tensors vLLM's Qwen3 loads, written out by hand from
+    Tunix's layout (not through the library's mapping)."""
+    import numpy as np
+    v = lambda leaf: np.asarray(leaf["value"])  # noqa: E731
+    out = {"model.embed_tokens.weight": v(tree["embedder"]["input_embedding"]),
+           "model.norm.weight": v(tree["final_norm"]["w"]),
+           "lm_head.weight": v(tree["lm_head"]["w"]).T}
+    for i, layer in tree["layers"].items():
+        p, attn, mlp = f"model.layers.{i}.", layer["attn"], layer["mlp"]
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            x = v(attn[proj]["w"])
+            out[f"{p}self_attn.{proj}.weight"] = x.reshape(x.shape[0], -1).T
+        o = v(attn["o_proj"]["w"])
+        out[f"{p}self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        for norm in ("q_norm", "k_norm"):
+            out[f"{p}self_attn.{norm}.weight"] = v(attn[norm]["w"])
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{p}mlp.{proj}.weight"] = v(mlp[proj]["kernel"]).T
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}{norm}.weight"] = v(layer[norm]["w"])
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}
+
+
+def tunix_qwen3(url: str, mode: str) -> None:
+    """A Tunix Qwen3 tree pushed through ``TUNIX_QWEN3``, twice (the second
+    reusing the metadata): each worker holds the Hugging Face tensors written
+    out by hand, byte for byte, and ``verify()`` agrees."""
+    import hashlib
+
+    from jax_sender import TUNIX_QWEN3, SendConfig, WeightSender
+    sender = WeightSender.connect(url, mapping=TUNIX_QWEN3, config=SendConfig(
+        packed=mode == "packed", buffer_size_bytes=1 << 16))
+    client = sender.session.clients[0]
+    for i in range(2):
+        tree = _tunix_qwen3_tree(i)
+        stats = sender.send(tree, weight_version=f"tunix-{i}")
+        assert stats.reused_metadata == (i > 0), stats
+        want = {f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(x.tobytes()).hexdigest()
+                for n, x in _hugging_face(tree).items()}
+        ans = client.weight_checker("compare", baseline=want)
+        assert ans["match"], ans["mismatches"][:5]
+        check = sender.verify(tree)
+        assert check.ok and len(check.matched) == len(want), check
+    sender.close()
+    print(f"OK {mode}: a Tunix Qwen3 tree as {len(want)} Hugging Face tensors, twice, "
+          f"bit-exact on vLLM's worker; last: {stats}")
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
