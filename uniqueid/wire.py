@@ -281,11 +281,13 @@ class SparseUpdateInfo:
         if not self.num_updates_list:
             raise ValueError("`num_updates_list` cannot be empty for sparse updates")
         _same_length(self, "num_updates_list")
-        _need_tensor_lists(self)
+        # vLLM's own checks end with the counts' signs: a payload it refuses
+        # there is refused here in its words, before the stricter list checks.
         for k in self.num_updates_list:
             _need_int("num_updates_list entries", k, -2**63)
         if any(k < 0 for k in self.num_updates_list):
             raise ValueError("Sparse `num_updates_list` entries must be non-negative")
+        _need_tensor_lists(self)
 
     def to_payload(self) -> dict[str, Any]:
         """The JSON object vLLM reads as ``update_info``.

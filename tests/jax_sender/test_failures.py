@@ -374,9 +374,12 @@ def test_a_hundred_failed_sends_and_reconnects_leave_threads_and_files_flat():
         sender.reconnect()
         assert not sender.broken and not sender.session._orphans
         counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
-    # Flat after the first ten (earlier tests' servers may still be winding down).
-    threads, files = counts[10]
-    assert all(t <= threads and f <= files for t, f in counts[10:]), (counts[:3], counts[-3:])
+    # Flat: earlier tests' servers may still be winding down at the start, and a
+    # thread or socket may be mid-exit at any one sample, so the last ten are
+    # held to the first ten's peak plus two. A leak of one per send adds ninety.
+    first, last = counts[:10], counts[-10:]
+    for i, what in enumerate(("threads", "files")):
+        assert max(c[i] for c in last) <= max(c[i] for c in first) + 2, (what, first, last)
     made = sender.session.route.joiner.comms
     assert len(made) == 101 and all(c.aborted for c in made[:-1])
     server.fail.clear()

@@ -476,7 +476,12 @@ def test_sparse_update_info_payloads_round_trip_or_are_refused_like_vllm():
     seen = fuzz(SparseUpdateInfo.from_payload, expect_sparse,
                 mixed(valid_sparse(), list(SPARSE_KEYS), ["src", "extra", "packed"]), 400,
                 always=({"names": ["w"], "dtype_names": ["float32"], "shapes": [None],
-                         "num_updates_list": [0]},))
+                         "num_updates_list": [0]},
+                        # vLLM refuses at the counts, before any list's types
+                        {"names": [None], "dtype_names": [None], "shapes": [None],
+                         "num_updates_list": [None]},
+                        {"names": [1], "dtype_names": ["float32"], "shapes": [[1]],
+                         "num_updates_list": [-1]}))
     fair_share(seen)
 
 
