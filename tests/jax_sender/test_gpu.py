@@ -188,6 +188,13 @@ def test_a_tunix_qwen3_tree_into_vllm_0_33(vllm_server, mode):
     print(run("tunix_qwen3", vllm_server[0], mode, timeout=300))
 
 
+def test_one_tunix_grpo_step_lands_in_vllm_0_33(vllm_server):
+    """Tunix's own GRPO learner, with ``VLLMServerRollout`` as its rollout, trains a
+    tiny Qwen3 one step; its weight sync lands the trained actor in vLLM's engine."""
+    pytest.importorskip("tunix", reason="needs Tunix: pip install google-tunix")
+    print(run("tunix_grpo_step", vllm_server[0], timeout=400))
+
+
 def test_vllm_refusal_during_init_raises_fast(vllm_server):
     run("vllm_refused", vllm_server[0], timeout=120)
 

@@ -37,10 +37,18 @@ from jax_sender._src.zoo import TUNIX_QWEN3
 from support import ROOT, TESTS
 from support.completions_server import CompletionsServer, Refused, check_request
 from support.memory_link import memory_sender
-
-D, N, K, H, F, V, LAYERS = 12, 4, 2, 8, 20, 32, 2  # N * H = 32 != D
-PAD, EOS, BOS = 0, 1, 2
-
+from support.tiny_tunix import (
+    BOS,
+    EOS,
+    PAD,
+    ToyTokenizer,
+    V,
+    build_cluster,
+    grpo_step,
+    hf_checkpoint,
+    hugging_face,
+    tiny_qwen3,
+)
 
 # -- without Tunix ------------------------------------------------------------------
 
@@ -85,77 +93,6 @@ def test_support_server_refuses_what_vllm_would():
 @pytest.fixture
 def tunix():
     return pytest.importorskip("tunix", reason="needs Tunix: pip install google-tunix")
-
-
-class ToyTokenizer:
-    """What Tunix's ``TokenizerAdapter`` takes from a tokenizer of its own kind:
-    one token per character, ids 3..V-1."""
-
-    def encode(self, text):
-        return [3 + ord(c) % (V - 3) for c in text]
-
-    def decode(self, ids):
-        return " ".join(str(int(t)) for t in ids)
-
-    def bos_id(self):
-        return BOS
-
-    def eos_id(self):
-        return EOS
-
-    def pad_id(self):
-        return PAD
-
-
-def hf_checkpoint(seed: int) -> dict[str, np.ndarray]:
-    """A random untied Qwen3 checkpoint, as {Hugging Face name: float32 array}."""
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-              "lm_head.weight": (V, D)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
-            p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
-            p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,),
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
-        })
-    rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(shape).astype(np.float32)
-            for name, shape in sorted(shapes.items())}
-
-
-def tiny_qwen3(folder, checkpoint):
-    """Tunix's Qwen3, loaded by Tunix's own loader from ``checkpoint``."""
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
-    from tunix.models.qwen3 import model, params
-    os.makedirs(folder, exist_ok=True)
-    safetensors_numpy.save_file(checkpoint, os.path.join(folder, "model.safetensors"))
-    config = model.ModelConfig(num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F,
-                               num_heads=N, head_dim=H, num_kv_heads=K, rope_theta=10_000,
-                               norm_eps=1e-6, use_tied_embedding=False)
-    return params.create_model_from_safe_tensors(str(folder), config, mode="optimized")
-
-
-def auto_mesh():
-    """A one-device mesh with Auto axes, as ``tunix.utils.mesh`` makes them."""
-    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def build_cluster(actor, engine, mesh=None, **rollout):
-    """Tunix's RLCluster with ``engine`` as its rollout engine (a functools.partial)."""
-    import optax
-    from tunix.rl import rl_cluster as rlc
-    from tunix.rl.rollout import base_rollout
-    mesh = mesh or auto_mesh()
-    config = rlc.ClusterConfig(
-        role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-        rollout_engine=engine,
-        training_config=rlc.RLTrainingConfig(actor_optimizer=optax.sgd(1e-3),
-                                             eval_every_n_steps=10, max_steps=1),
-        rollout_config=base_rollout.RolloutConfig(**rollout))
-    return rlc.RLCluster(actor=actor, tokenizer=ToyTokenizer(), cluster_config=config)
 
 
 @pytest.fixture
@@ -228,6 +165,42 @@ def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
     assert completions.arrivals[0] >= finish.answered  # samples asked after the push ended
     assert isinstance(rollout, base_rollout.BaseRollout)
     rollout.close()
+
+
+def test_the_hand_written_names_are_tunixs_loader_inverted(tunix, tmp_path):
+    """``hugging_face`` (what the GPU tests hold vLLM's checksums against after a
+    training step) turns the model Tunix's loader built back into its checkpoint."""
+    from flax import nnx
+    checkpoint = hf_checkpoint(4)
+    assert_landed(hugging_face(nnx.state(tiny_qwen3(tmp_path, checkpoint), nnx.Param)),
+                  checkpoint)
+
+
+def test_one_grpo_step_lands_the_trained_actor(tunix, tmp_path, link, completions):
+    """Tunix's own GRPO learner runs one step with the rollout: it samples and
+    scores through the completions route, updates the actor, and its
+    ``sync_weights`` pushes the trained weights, which land byte for byte."""
+    from flax import nnx
+
+    from jax_sender.integrations.tunix import VLLMServerRollout
+    sender, server = link
+    checkpoint = hf_checkpoint(5)
+    engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
+    cluster = build_cluster(tiny_qwen3(tmp_path, checkpoint), engine,
+                            max_tokens_to_generate=4, temperature=1.0, max_prompt_length=8)
+    cluster.sync_weights()  # the servers start from the checkpoint
+    grpo_step(cluster)
+    cluster.rollout.wait_for_push()
+    trained = hugging_face(nnx.state(cluster.actor_trainer.model, nnx.Param))
+    assert_landed(server.store, trained)
+    assert server.weight_version == cluster.rollout.weight_version == "sync-2"
+    changed = [n for n in trained if trained[n].tobytes() != checkpoint[n].tobytes()]
+    assert len(changed) > len(trained) // 2, changed  # the step trained the actor
+    tok = ToyTokenizer()
+    asked = sorted(p for r in completions.requests for p in r["prompt"])
+    assert asked == sorted([[BOS] + tok.encode(p) for p in ("ab", "xyz")] * 2), asked
+    assert not completions.refused
+    cluster.rollout.close()
 
 
 def test_lora_state_refused_before_any_request(tunix, tmp_path, link, completions):

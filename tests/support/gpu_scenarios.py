@@ -931,37 +931,20 @@ def _tunix_qwen3_tree(seed: int, layers: int = 2, embed: int = 64, heads: int = 
             "lm_head": {"w": w(embed, vocab)}, "layers": {str(i): layer() for i in range(layers)}}
 
 
-def _hugging_face(tree) -> dict:
-    """The Hugging Face tensors vLLM's Qwen3 loads, written out by hand from
-    Tunix's layout (not through the library's mapping)."""
-    import numpy as np
-    v = lambda leaf: np.asarray(leaf["value"])  # noqa: E731
-    out = {"model.embed_tokens.weight": v(tree["embedder"]["input_embedding"]),
-           "model.norm.weight": v(tree["final_norm"]["w"]),
-           "lm_head.weight": v(tree["lm_head"]["w"]).T}
-    for i, layer in tree["layers"].items():
-        p, attn, mlp = f"model.layers.{i}.", layer["attn"], layer["mlp"]
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            x = v(attn[proj]["w"])
-            out[f"{p}self_attn.{proj}.weight"] = x.reshape(x.shape[0], -1).T
-        o = v(attn["o_proj"]["w"])
-        out[f"{p}self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
-        for norm in ("q_norm", "k_norm"):
-            out[f"{p}self_attn.{norm}.weight"] = v(attn[norm]["w"])
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{p}mlp.{proj}.weight"] = v(mlp[proj]["kernel"]).T
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{p}{norm}.weight"] = v(layer[norm]["w"])
-    return {name: np.ascontiguousarray(x) for name, x in out.items()}
+def _vllm_checksums(tensors: dict) -> dict[str, str]:
+    """``/weight_checker``'s baseline for one worker holding ``tensors``."""
+    import hashlib
+    return {f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(x.tobytes()).hexdigest()
+            for n, x in tensors.items()}
 
 
 def tunix_qwen3(url: str, mode: str) -> None:
     """A Tunix Qwen3 tree pushed through ``TUNIX_QWEN3``, twice (the second
     reusing the metadata): each worker holds the Hugging Face tensors written
     out by hand, byte for byte, and ``verify()`` agrees."""
-    import hashlib
-
     from jax_sender import TUNIX_QWEN3, SendConfig, WeightSender
+
+    from support.tiny_tunix import hugging_face
     sender = WeightSender.connect(url, mapping=TUNIX_QWEN3, config=SendConfig(
         packed=mode == "packed", buffer_size_bytes=1 << 16))
     client = sender.session.clients[0]
@@ -969,8 +952,7 @@ def tunix_qwen3(url: str, mode: str) -> None:
         tree = _tunix_qwen3_tree(i)
         stats = sender.send(tree, weight_version=f"tunix-{i}")
         assert stats.reused_metadata == (i > 0), stats
-        want = {f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(x.tobytes()).hexdigest()
-                for n, x in _hugging_face(tree).items()}
+        want = _vllm_checksums(hugging_face(tree))
         ans = client.weight_checker("compare", baseline=want)
         assert ans["match"], ans["mismatches"][:5]
         check = sender.verify(tree)
@@ -978,6 +960,63 @@ def tunix_qwen3(url: str, mode: str) -> None:
     sender.close()
     print(f"OK {mode}: a Tunix Qwen3 tree as {len(want)} Hugging Face tensors, twice, "
           f"bit-exact on vLLM's worker; last: {stats}")
+
+
+def tunix_grpo_step(url: str) -> None:
+    """One step of Tunix's own GRPO learner on a tiny Qwen3 whose rollout is
+    ``VLLMServerRollout``: samples from a loopback completions server, and the
+    learner's ``sync_weights`` pushes the trained actor into vLLM's engine at
+    ``url``. vLLM's checksums must be those of the checkpoint before the step
+    and of the trained actor (written out by hand) after it."""
+    import functools
+    import tempfile
+
+    from flax import nnx
+
+    from jax_sender import TUNIX_QWEN3, WeightSender
+    from jax_sender.integrations.tunix import VLLMServerRollout
+
+    from support.completions_server import CompletionsServer
+    from support.tiny_tunix import (
+        EOS,
+        V,
+        build_cluster,
+        grpo_step,
+        hf_checkpoint,
+        hugging_face,
+        tiny_qwen3,
+    )
+    sender = WeightSender.connect(url, mapping=TUNIX_QWEN3)
+    client = sender.session.clients[0]
+    completions = CompletionsServer(vocab_size=V, eos_id=EOS)
+    checkpoint = hf_checkpoint(5)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            actor = tiny_qwen3(folder, checkpoint)
+        engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
+        cluster = build_cluster(actor, engine, max_tokens_to_generate=4, temperature=1.0,
+                                max_prompt_length=8)
+        cluster.sync_weights()
+        cluster.rollout.wait_for_push()
+        ans = client.weight_checker("compare", baseline=_vllm_checksums(checkpoint))
+        assert ans["match"], ans["mismatches"][:5]
+        grpo_step(cluster)
+        cluster.rollout.wait_for_push()
+        state = nnx.state(cluster.actor_trainer.model, nnx.Param)
+        trained = hugging_face(state)
+        changed = [n for n in trained if trained[n].tobytes() != checkpoint[n].tobytes()]
+        assert len(changed) > len(trained) // 2, changed
+        ans = client.weight_checker("compare", baseline=_vllm_checksums(trained))
+        assert ans["match"], ans["mismatches"][:5]
+        check = sender.verify(state)
+        assert check.ok and len(check.matched) == len(trained), check
+        version = cluster.rollout.weight_version
+        cluster.rollout.close()
+    finally:
+        completions.close()
+        sender.close()
+    print(f"OK: one GRPO step; {len(changed)} of {len(trained)} tensors trained, pushed as "
+          f"{version!r}, bit-exact on vLLM's worker")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""A tiny Tunix Qwen3 and the Tunix pieces around it, for the Tunix tests (CPU and GPU).
+
+The model is loaded by Tunix's own loader (``create_model_from_safe_tensors``)
+from a random Hugging Face checkpoint, so what lands on a server can be held
+against the checkpoint itself. ``hugging_face`` writes Tunix's tree out as
+Hugging Face tensors by hand, not through the library's mapping: the GPU
+tests compare vLLM's checksums with it after a training step, where there
+is no checkpoint to compare with. Everything here needs ``google-tunix``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+# embed, heads, kv heads, head_dim, ffn, vocab, layers: heads * head_dim = 32 != embed
+D, N, K, H, F, V, LAYERS = 12, 4, 2, 8, 20, 32, 2
+PAD, EOS, BOS = 0, 1, 2
+
+
+class ToyTokenizer:
+    """What Tunix's ``TokenizerAdapter`` takes from a tokenizer of its own kind:
+    one token per character, ids 3..V-1."""
+
+    def encode(self, text):
+        return [3 + ord(c) % (V - 3) for c in text]
+
+    def decode(self, ids):
+        return " ".join(str(int(t)) for t in ids)
+
+    def bos_id(self):
+        return BOS
+
+    def eos_id(self):
+        return EOS
+
+    def pad_id(self):
+        return PAD
+
+
+def hf_checkpoint(seed: int) -> dict[str, np.ndarray]:
+    """A random untied Qwen3 checkpoint, as {Hugging Face name: float32 array}."""
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
+              "lm_head.weight": (V, D)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
+            p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
+            p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,),
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        })
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape).astype(np.float32)
+            for name, shape in sorted(shapes.items())}
+
+
+def tiny_qwen3(folder, checkpoint: dict[str, np.ndarray]):
+    """Tunix's Qwen3, loaded by Tunix's own loader from ``checkpoint``."""
+    import safetensors.numpy
+    from tunix.models.qwen3 import model, params
+    os.makedirs(folder, exist_ok=True)
+    safetensors.numpy.save_file(checkpoint, os.path.join(folder, "model.safetensors"))
+    config = model.ModelConfig(num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F,
+                               num_heads=N, head_dim=H, num_kv_heads=K, rope_theta=10_000,
+                               norm_eps=1e-6, use_tied_embedding=False)
+    return params.create_model_from_safe_tensors(str(folder), config, mode="optimized")
+
+
+def hugging_face(tree: Any) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors vLLM's Qwen3 loads, written out by hand from
+    Tunix's layout (``nnx.state(model, nnx.Param)``, or its pure dict, or a
+    dict whose leaves are ``{"value": array}``), not through the library's
+    mapping."""
+    if hasattr(tree, "to_pure_dict"):
+        tree = tree.to_pure_dict()
+
+    def v(leaf):
+        return np.asarray(leaf["value"] if isinstance(leaf, dict) else leaf)
+
+    out = {"model.embed_tokens.weight": v(tree["embedder"]["input_embedding"]),
+           "model.norm.weight": v(tree["final_norm"]["w"])}
+    if "lm_head" in tree:
+        out["lm_head.weight"] = v(tree["lm_head"]["w"]).T
+    for i, layer in tree["layers"].items():
+        p, attn, mlp = f"model.layers.{i}.", layer["attn"], layer["mlp"]
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            x = v(attn[proj]["w"])
+            out[f"{p}self_attn.{proj}.weight"] = x.reshape(x.shape[0], -1).T
+        o = v(attn["o_proj"]["w"])
+        out[f"{p}self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        for norm in ("q_norm", "k_norm"):
+            out[f"{p}self_attn.{norm}.weight"] = v(attn[norm]["w"])
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{p}mlp.{proj}.weight"] = v(mlp[proj]["kernel"]).T
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}{norm}.weight"] = v(layer[norm]["w"])
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}
+
+
+def auto_mesh() -> jax.sharding.Mesh:
+    """A one-device mesh with Auto axes, as ``tunix.utils.mesh`` makes them."""
+    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def build_cluster(actor, engine, mesh=None, **rollout):
+    """Tunix's RLCluster with ``engine`` as its rollout engine (a functools.partial)."""
+    import optax
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.rollout import base_rollout
+    mesh = mesh or auto_mesh()
+    config = rlc.ClusterConfig(
+        role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+        rollout_engine=engine,
+        training_config=rlc.RLTrainingConfig(actor_optimizer=optax.sgd(1e-3),
+                                             eval_every_n_steps=10, max_steps=1),
+        rollout_config=base_rollout.RolloutConfig(**rollout))
+    return rlc.RLCluster(actor=actor, tokenizer=ToyTokenizer(), cluster_config=config)
+
+
+def token_sum(prompts: Sequence[str], completions: Sequence[str], **_: Any) -> list[float]:
+    """A GRPO reward that differs between samples: the sum of the completion's ids
+    (``ToyTokenizer.decode`` writes them out)."""
+    return [float(sum(int(t) for t in c.split())) for c in completions]
+
+
+def grpo_step(cluster, prompts: Sequence[str] = ("ab", "xyz"),
+              reward: Callable[..., list[float]] = token_sum) -> None:
+    """One step of Tunix's own GRPO learner on ``cluster``: samples from its
+    rollout, rewards, one optimizer update of the actor, then the learner's
+    ``sync_weights`` (which calls the rollout's ``update_params``)."""
+    from tunix.rl.grpo import grpo_learner
+    learner = grpo_learner.GRPOLearner(
+        rl_cluster=cluster, reward_fns=[reward],
+        algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.0))
+    # one batch, its fields arrays as Tunix's data pipelines yield them (the
+    # learner repeats each leaf per generation)
+    learner.train([{"prompts": np.array(prompts)}])
