@@ -5,6 +5,8 @@ import pytest
 
 from jax_sender.testing.harness import SHARE_GPUS, gpu_count
 
+pytest_plugins = ["support.sigterm"]
+
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The pytest process itself stays off the GPUs (XLA would preallocate 75% of
 # every one); GPU tests run their ranks as child processes, one GPU each.

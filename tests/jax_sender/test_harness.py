@@ -9,6 +9,8 @@ import pytest
 
 from jax_sender.testing.harness import SHARE_GPUS, free_port, gpu_env, run_all
 
+from support import TESTS
+
 
 def test_one_rank_per_gpu_by_default(monkeypatch):
     monkeypatch.delenv(SHARE_GPUS, raising=False)
@@ -118,3 +120,43 @@ def test_a_port_taken_on_ipv4_alone_counts_as_taken():
         held.listen()
         assert _bind_and_release(held.getsockname()[1]) is None
     assert _bind_and_release(0)
+
+
+def test_a_run_stopped_by_sigterm_still_kills_the_servers_its_fixtures_started(tmp_path):
+    """``timeout`` around pytest sends SIGTERM: the fixtures are torn down, so
+    a server in a session of its own (as the harness starts them) is killed."""
+    import os
+    pidfile = tmp_path / "server.pid"
+    (tmp_path / "test_stopped.py").write_text(f'''
+import os, signal, subprocess, sys, time
+import pytest
+
+@pytest.fixture
+def server():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True)
+    open({str(pidfile)!r}, "w").write(str(proc.pid))
+    yield proc
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+def test_waits(server):
+    time.sleep(120)
+''')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "support.sigterm",
+                            "-p", "no:cacheprovider", str(tmp_path / "test_stopped.py")],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() or not pidfile.read_text():
+        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    time.sleep(0.5)  # inside the test's sleep
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=30)
+    assert run.returncode != 0, out
+    with pytest.raises(ProcessLookupError):  # reaped by the teardown: gone
+        os.kill(pid, 0)
