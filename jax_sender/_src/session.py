@@ -256,7 +256,8 @@ class _Gate:
     two ``signal.signal`` calls cost a small push a measurable share of its
     own time; this one is installed once, in place of the default alone."""
 
-    push: _Interrupts | None = None
+    def __init__(self) -> None:
+        self.push: _Interrupts | None = None  # the blocking push running on the main thread
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.push is None:
