@@ -4,7 +4,6 @@ peer or a deadline), the sender says what to do, and the same servers take
 the next push. Over the in-memory link and the independent memory server."""
 
 import os
-import signal
 import threading
 import time
 
@@ -24,6 +23,7 @@ from jax_sender import (
 from jax_sender._src.naming import Mapping
 from uniqueid import ServerStuck
 
+from support.concurrency import sigints, wait_for
 from support.memory_link import memory_sender
 from support.pushes import SMALL, calls, comm, expected, held, params, pushed, slow_step
 
@@ -187,9 +187,7 @@ def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
     sender.send(params())
     tree = slow_step()(params(2))
     pending = sender.send(tree, wait=False)
-    deadline = time.monotonic() + 10
-    while "/start_weight_update" not in pushed(server)[3:] and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: "/start_weight_update" in pushed(server)[3:])
     assert not tree["head"].is_ready()
     sender.close()
     assert pending.result(5).tensors == 5 and held(server) == expected(params(2))
@@ -197,22 +195,9 @@ def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
                                   "/finish_weight_update", "/shutdown_weight_transfer_engine"]
 
 
-def interrupt_once_sent(caster, times: int = 1) -> None:
-    """SIGINT to this process ``times`` times, 0.15 s apart, once the push's
-    first broadcast went out (a Ctrl-C before anything is sent just raises)."""
-    def fire() -> None:
-        deadline = time.monotonic() + 20
-        while not caster.sent and time.monotonic() < deadline:
-            time.sleep(0.005)
-        for _ in range(times):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.15)
-    threading.Thread(target=fire, daemon=True).start()
-
-
 def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
-    interrupt_once_sent(caster)
+    sigints(lambda: caster.sent, 1)  # once the first broadcast went out
     with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
         sender.send(params(1))
     assert held(server) == expected(params(1)) and pushed(server) == SESSION
@@ -226,7 +211,7 @@ def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
 def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
     monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
-    interrupt_once_sent(caster, times=2)
+    sigints(lambda: caster.sent, 2)  # once the first broadcast went out
     t = time.monotonic()
     with pytest.raises(KeyboardInterrupt, match="second Ctrl-C aborted"):
         sender.send(params(1))
@@ -240,7 +225,7 @@ def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
 def test_a_first_ctrl_c_while_waiting_on_an_asynchronous_push_lets_it_end():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
     pending = sender.send(params(1), wait=False)
-    interrupt_once_sent(caster)
+    sigints(lambda: caster.sent, 1)  # once the first broadcast went out
     with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
         pending.result(timeout=20)
     assert pending.done() and pending.result().tensors == 5 and not sender.broken
@@ -325,9 +310,7 @@ def test_an_nccl_call_that_never_returns_is_abandoned_not_freed(monkeypatch):
     assert not stuck_comm.aborted and not stuck_comm.destroyed
     assert not sender.broken and comm(sender) is not stuck_comm
     release.set()
-    deadline = time.monotonic() + 5
-    while not stuck_comm.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: stuck_comm.aborted, 5)
     assert stuck_comm.aborted and not comm(sender).aborted
 
 

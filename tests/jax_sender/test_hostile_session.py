@@ -6,7 +6,6 @@ bounded; every ``hold``/``stall`` event is released in a ``finally``."""
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from jax_sender import (
 )
 from jax_sender._src.naming import Mapping
 
+from support.concurrency import sigints, wait_for
 from support.memory_link import memory_sender
 from support.pushes import SMALL, comm, expected, held, params, pushed, slow_step, torch_layout
 
@@ -40,31 +40,9 @@ def step():
     return slow_step()
 
 
-def wait_for(pred, seconds: float = 10.0) -> bool:
-    end = time.monotonic() + seconds
-    while not pred() and time.monotonic() < end:
-        time.sleep(0.01)
-    return pred()
-
-
 def answered(server) -> bool:
     """Every request the server got has been answered (a released hold too)."""
     return all(c.answered is not None for c in list(server.log))
-
-
-def sigints(when, times: int, gap: float = 0.15) -> threading.Thread:
-    """SIGINT to this process ``times`` times, ``gap`` apart, once ``when()``
-    (none if it does not come within 10 s, so no SIGINT outlives the test:
-    join it with a timeout above 10 s)."""
-    def fire() -> None:
-        if not wait_for(when, 10):
-            return
-        for _ in range(times):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(gap)
-    th = threading.Thread(target=fire, daemon=True)
-    th.start()
-    return th
 
 
 # -- an ambiguous control call: sent, not answered in time -----------------

@@ -13,13 +13,13 @@ import base64
 import hashlib
 import queue
 import threading
-import time
 
 import httpx
 import ml_dtypes
 import numpy as np
 import pytest
 
+from support.concurrency import wait_for
 from support.memory_server import MemoryServer, cut_chunks
 
 UID = base64.b64encode(bytes(range(128))).decode()
@@ -438,10 +438,7 @@ def test_held_route_logged_on_arrival_and_released(make):
     answers: list[httpx.Response] = []
     t = threading.Thread(target=lambda: answers.append(client.post("/start_weight_update")))
     t.start()
-    deadline = time.monotonic() + 10
-    while "/start_weight_update" not in server.routes():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    assert wait_for(lambda: "/start_weight_update" in server.routes())
     held = server.log[0]
     assert held.answered is None and held.status is None and not server.active
     with httpx.Client(base_url=server.url, timeout=10) as other:  # others are not blocked
@@ -471,10 +468,7 @@ def test_is_paused_answers_while_an_update_waits_for_broadcasts(make, wire):
     t = threading.Thread(target=lambda: answers.append(
         client.post("/update_weights", json={"update_info": meta({"a": a})})))
     t.start()
-    deadline = time.monotonic() + 10
-    while "/update_weights" not in server.routes():
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    assert wait_for(lambda: "/update_weights" in server.routes())
     with httpx.Client(base_url=server.url, timeout=10) as other:  # nothing on the wire yet
         assert other.get("/is_paused").json() == {"is_paused": False}
         assert other.post("/pause").json() == {"status": "paused"}

@@ -15,6 +15,7 @@ import pytest
 from jax_sender import LoadPlan, MetadataError, PendingSend, SendConfig, TensorMeta, describe
 from jax_sender._src.naming import Mapping
 
+from support.concurrency import together, wait_for
 from support.memory_link import memory_sender
 from support.pushes import (
     SMALL,
@@ -139,9 +140,7 @@ def test_update_is_posted_once_the_arrays_are_computed_and_start_does_not_wait()
     out: list = []
     pushing = threading.Thread(target=lambda: out.append(sender.send(tree)))
     pushing.start()
-    deadline = time.monotonic() + 10
-    while server.routes()[-1] != "/start_weight_update" and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: server.routes()[-1] == "/start_weight_update")
     assert server.routes()[-1] == "/start_weight_update" and not leaf.is_ready()
     while True:  # the last instant the arrays were seen not computed yet
         t = time.monotonic()
@@ -257,20 +256,12 @@ def test_sends_from_two_threads_take_turns():
     """One sender, two threads pushing at once: each push runs whole, one
     after the other (never two update sessions at once), both land."""
     sender, (server,), _ = memory_sender(SMALL, delay_s=0.01)
-    errors: list = []
 
     def push(seed: int) -> None:
-        try:
-            for _ in range(3):
-                sender.send(params(seed))
-        except BaseException as e:  # reported below
-            errors.append(e)
+        for _ in range(3):
+            sender.send(params(seed))
 
-    threads = [threading.Thread(target=push, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = together(push, [(1,), (2,)], 60)
     assert not errors and not sender.broken
     assert pushed(server) == ["/start_weight_update", "/update_weights",
                               "/finish_weight_update"] * 6

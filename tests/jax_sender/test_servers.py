@@ -3,13 +3,13 @@ resume, start and finish, an update refused by one, ``verify``. What each
 server got is read from its own log (``support.memory_server``), and every
 failure ends with the same servers taking a bit-exact push."""
 
-import threading
 import time
 
 import pytest
 
 from jax_sender import SendError
 
+from support.concurrency import together
 from support.memory_link import memory_sender
 from support.pushes import SMALL, calls, comm, expected, held, params, pushed
 
@@ -194,19 +194,7 @@ def test_pushes_to_several_servers_in_a_row_stay_bit_exact_and_in_order():
     """Each push reaches every server whole, in the protocol's order, and
     the servers' logs never interleave two pushes' sessions."""
     sender, servers, _ = memory_sender(SMALL, servers=3, delay_s=0.005)
-    errors: list = []
-
-    def push(seed: int) -> None:
-        try:
-            sender.send(params(seed), pause="keep")
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=push, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = together(lambda seed: sender.send(params(seed), pause="keep"), [(1,), (2,)], 60)
     assert not errors
     for s in servers:
         assert pushed(s) == PAUSED * 2 and not s.paused

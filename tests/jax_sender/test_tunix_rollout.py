@@ -30,9 +30,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_sender import SendConfig
-from jax_sender._src.errors import MetadataError
-from jax_sender._src.zoo import TUNIX_QWEN3
+from jax_sender import TUNIX_QWEN3, MetadataError, SendConfig
 
 from support import ROOT, TESTS
 from support.completions_server import CompletionsServer, Refused, check_request
@@ -47,7 +45,7 @@ from support.tiny_tunix import (
     grpo_step,
     hf_checkpoint,
     hugging_face,
-    tiny_qwen3,
+    tunix_model,
 )
 
 # -- without Tunix ------------------------------------------------------------------
@@ -133,7 +131,7 @@ def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
     sender, server = link
     first, second = hf_checkpoint(0), hf_checkpoint(1)
     engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
-    cluster = build_cluster(tiny_qwen3(tmp_path / "a", first), engine)
+    cluster = build_cluster(tunix_model(tmp_path / "a", first), engine)
     rollout = cluster.rollout
     assert isinstance(rollout, VLLMServerRollout) and rollout.model() is None
     assert (rollout.pad_id(), rollout.eos_id()) == (PAD, EOS)  # from RLCluster's tokenizer
@@ -147,7 +145,7 @@ def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
     # /finish_weight_update until released, so sync_weights returning proves it
     # did not wait for the push, and generate must wait for it.
     nnx.update(cluster.actor_trainer.model,
-               nnx.state(tiny_qwen3(tmp_path / "b", second), nnx.Param))
+               nnx.state(tunix_model(tmp_path / "b", second), nnx.Param))
     held = threading.Event()
     server.hold["/finish_weight_update"] = held
     cluster.sync_weights()
@@ -172,7 +170,7 @@ def test_the_hand_written_names_are_tunixs_loader_inverted(tunix, tmp_path):
     training step) turns the model Tunix's loader built back into its checkpoint."""
     from flax import nnx
     checkpoint = hf_checkpoint(4)
-    assert_landed(hugging_face(nnx.state(tiny_qwen3(tmp_path, checkpoint), nnx.Param)),
+    assert_landed(hugging_face(nnx.state(tunix_model(tmp_path, checkpoint), nnx.Param)),
                   checkpoint)
 
 
@@ -186,7 +184,7 @@ def test_one_grpo_step_lands_the_trained_actor(tunix, tmp_path, link, completion
     sender, server = link
     checkpoint = hf_checkpoint(5)
     engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
-    cluster = build_cluster(tiny_qwen3(tmp_path, checkpoint), engine,
+    cluster = build_cluster(tunix_model(tmp_path, checkpoint), engine,
                             max_tokens_to_generate=4, temperature=1.0, max_prompt_length=8)
     cluster.sync_weights()  # the servers start from the checkpoint
     grpo_step(cluster)
@@ -211,7 +209,7 @@ def test_lora_state_refused_before_any_request(tunix, tmp_path, link, completion
 
     from jax_sender.integrations.tunix import VLLMServerRollout
     sender, server = link
-    base = tiny_qwen3(tmp_path, hf_checkpoint(0))
+    base = tunix_model(tmp_path, hf_checkpoint(0))
     provider = qwix.LoraProvider(module_path=".*q_proj|.*v_proj", rank=2, alpha=2.0)
     actor = qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(0), **base.get_model_input())
     engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
@@ -236,7 +234,7 @@ def test_an_explicit_mesh_actor_lands(tunix, tmp_path, packed):
     try:
         checkpoint = hf_checkpoint(2)
         engine = functools.partial(VLLMServerRollout, servers[0].url, sender=sender)
-        cluster = build_cluster(tiny_qwen3(tmp_path, checkpoint), engine,
+        cluster = build_cluster(tunix_model(tmp_path, checkpoint), engine,
                                 mesh=jax.make_mesh((1, 1), ("fsdp", "tp")))
         cluster.sync_weights()
         cluster.rollout.wait_for_push()
@@ -257,7 +255,7 @@ def test_a_failed_push_is_raised_by_generate_then_repaired(tunix, tmp_path, link
     sender, server = link
     checkpoint = hf_checkpoint(3)
     engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
-    cluster = build_cluster(tiny_qwen3(tmp_path, checkpoint), engine, max_tokens_to_generate=2)
+    cluster = build_cluster(tunix_model(tmp_path, checkpoint), engine, max_tokens_to_generate=2)
     server.fail["/update_weights"] = 500
     cluster.sync_weights()  # returns: the push runs in the background
     with pytest.raises(SendError):
@@ -395,7 +393,7 @@ def test_through_rl_cluster_generate_and_old_logps(tunix, tmp_path, link, comple
     from jax_sender.integrations.tunix import VLLMServerRollout
     sender, _ = link
     engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
-    cluster = build_cluster(tiny_qwen3(tmp_path, hf_checkpoint(0)), engine,
+    cluster = build_cluster(tunix_model(tmp_path, hf_checkpoint(0)), engine,
                             max_tokens_to_generate=4, temperature=0.0, max_prompt_length=8)
     out = cluster.generate(["ab", "abc", "q"], micro_batch_size=2)
     assert out.left_padded_prompt_tokens.shape == (3, 8) and len(out.tokens) == 3
@@ -455,8 +453,7 @@ def test_strip_prefix_names_maxtexts_adapter_tree(tunix):
     """MaxText's TunixMaxTextAdapter holds the model as ``base``: under
     ``strip_prefix(..., "base")`` a MAXTEXT mapping gives, through the core's own
     naming, what MaxText's to_huggingface hooks give (tests/support/zoo_golden)."""
-    from jax_sender._src.naming import named_arrays
-    from jax_sender._src.zoo import maxtext_qwen3
+    from jax_sender import maxtext_qwen3, named_arrays
     from jax_sender.integrations.tunix import strip_prefix
 
     from support import make_zoo_golden as golden

@@ -23,20 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sender._src.errors import MetadataError
-from jax_sender._src.naming import Mapping, flatten
-from jax_sender._src.zoo import (
+from jax_sender import (
     MAXTEXT_LLAMA31,
     MAXTEXT_QWEN3,
     TUNIX_LLAMA3,
     TUNIX_QWEN2,
     TUNIX_QWEN3,
+    Mapping,
+    MetadataError,
+    flatten,
     maxtext_llama31,
     maxtext_qwen3,
     tunix_qwen3,
 )
 
 from support import make_zoo_golden as golden
+from support.tiny_tunix import EXPERTS, hf_checkpoint, tunix_model
 
 GOLDEN = os.path.join(os.path.dirname(golden.__file__), "zoo_golden")
 
@@ -211,67 +213,16 @@ def test_tunix_refusals():
 
 # -- Tunix, against its own loader ------------------------------------------------
 
-D, N, K, H, F, V, LAYERS, EXPERTS = 12, 4, 2, 8, 20, 32, 2, 3  # N * H = 32 != D
-
-
-def _hf_checkpoint(family: str, tied: bool, dtype, moe: bool = False, seed: int = 0):
-    """A random Hugging Face checkpoint of ``family``, as {name: array}."""
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not tied:
-        shapes["lm_head.weight"] = (V, D)
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
-            p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-        })
-        if family == "qwen2":
-            shapes.update({p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,),
-                           p + "self_attn.v_proj.bias": (K * H,)})
-        if family == "qwen3":
-            shapes.update({p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)})
-        if moe:
-            shapes[p + "mlp.gate.weight"] = (EXPERTS, D)
-            for e in range(EXPERTS):
-                shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (F, D),
-                               p + f"mlp.experts.{e}.up_proj.weight": (F, D),
-                               p + f"mlp.experts.{e}.down_proj.weight": (D, F)})
-        else:
-            shapes.update({p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                           p + "mlp.down_proj.weight": (D, F)})
-    rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(shape).astype(np.float32).astype(dtype)
-            for name, shape in sorted(shapes.items())}
-
-
-def _tunix_model(family: str, tied: bool, folder: str, mode: str, moe: bool = False):
-    common = dict(num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F, num_heads=N,
-                  head_dim=H, num_kv_heads=K, rope_theta=10_000, norm_eps=1e-6)
-    if family == "llama3":
-        from tunix.models.llama3 import model, params
-        config = model.ModelConfig(**common, weight_tying=tied)
-    elif family == "qwen2":
-        from tunix.models.qwen2 import model, params
-        config = model.ModelConfig(**common, use_tied_embedding=tied)
-    else:
-        from tunix.models.qwen3 import model, params
-        extra = dict(num_experts=EXPERTS, num_experts_per_tok=2) if moe else {}
-        config = model.ModelConfig(**common, use_tied_embedding=tied, **extra)
-    return params.create_model_from_safe_tensors(folder, config, mode=mode)
-
-
 @pytest.mark.parametrize("mode", ["optimized", "original"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("family,mapping", [("llama3", TUNIX_LLAMA3), ("qwen2", TUNIX_QWEN2),
                                             ("qwen3", TUNIX_QWEN3)], ids=["llama3", "qwen2", "qwen3"])
 def test_tunix_gives_back_the_checkpoint(tmp_path, family, mapping, tied, mode):
     pytest.importorskip("tunix")
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    pytest.importorskip("safetensors.numpy")
     from flax import nnx
-    checkpoint = _hf_checkpoint(family, tied, np.float32)
-    safetensors_numpy.save_file(checkpoint, str(tmp_path / "model.safetensors"))
-    model = _tunix_model(family, tied, str(tmp_path), mode)
+    checkpoint = hf_checkpoint(family=family, tied=tied)
+    model = tunix_model(tmp_path, checkpoint, family=family, tied=tied, mode=mode)
     state = nnx.state(model, nnx.Param)
     assert ("lm_head" in state) is not tied
     assert_same(apply(mapping, state), checkpoint)
@@ -279,11 +230,10 @@ def test_tunix_gives_back_the_checkpoint(tmp_path, family, mapping, tied, mode):
 
 def test_tunix_bfloat16_and_pure_dict(tmp_path):
     pytest.importorskip("tunix")
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    pytest.importorskip("safetensors.numpy")
     from flax import nnx
-    checkpoint = _hf_checkpoint("qwen3", False, jnp.bfloat16, seed=1)
-    safetensors_numpy.save_file(checkpoint, str(tmp_path / "model.safetensors"))
-    model = _tunix_model("qwen3", False, str(tmp_path), "optimized")
+    checkpoint = hf_checkpoint(1, dtype=jnp.bfloat16)
+    model = tunix_model(tmp_path, checkpoint)
     state = nnx.state(model, nnx.Param)
     assert_same(apply(TUNIX_QWEN3, state), checkpoint)
     assert_same(apply(TUNIX_QWEN3, state.to_pure_dict()), checkpoint)
@@ -291,11 +241,10 @@ def test_tunix_bfloat16_and_pure_dict(tmp_path):
 
 def test_tunix_qwen3_moe_gives_back_the_checkpoint(tmp_path):
     pytest.importorskip("tunix")
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    pytest.importorskip("safetensors.numpy")
     from flax import nnx
-    checkpoint = _hf_checkpoint("qwen3", False, np.float32, moe=True, seed=2)
-    safetensors_numpy.save_file(checkpoint, str(tmp_path / "model.safetensors"))
-    model = _tunix_model("qwen3", False, str(tmp_path), "optimized", moe=True)
+    checkpoint = hf_checkpoint(2, moe=True)
+    model = tunix_model(tmp_path, checkpoint, moe=True)
     state = nnx.state(model, nnx.Param)
     assert_same(apply(tunix_qwen3(num_experts=EXPERTS), state), checkpoint)
     with pytest.raises(MetadataError, match="num_experts"):

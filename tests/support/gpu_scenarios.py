@@ -552,21 +552,15 @@ def recover_not_ready(url: str) -> str:
 def recover_threads(url: str) -> str:
     """send() from two threads at once on one sender: they take turns."""
     from jax_sender import SendConfig, WeightSender
+
+    from support.concurrency import together
     sender = WeightSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
-    errors: list = []
 
     def push(seed: int) -> None:
-        try:
-            for _ in range(3):
-                sender.send(_test_tensors(seed))
-        except BaseException as e:
-            errors.append(e)
+        for _ in range(3):
+            sender.send(_test_tensors(seed))
 
-    threads = [threading.Thread(target=push, args=(s,)) for s in (4, 5)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
+    errors = together(push, [(4,), (5,)], 120)
     assert not errors and not sender.broken, errors
     sender.send(_test_tensors(6))
     _verified(sender, _test_tensors(6))
@@ -984,7 +978,7 @@ def tunix_grpo_step(url: str) -> None:
         grpo_step,
         hf_checkpoint,
         hugging_face,
-        tiny_qwen3,
+        tunix_model,
     )
     sender = WeightSender.connect(url, mapping=TUNIX_QWEN3)
     client = sender.session.clients[0]
@@ -992,7 +986,7 @@ def tunix_grpo_step(url: str) -> None:
     checkpoint = hf_checkpoint(5)
     try:
         with tempfile.TemporaryDirectory() as folder:
-            actor = tiny_qwen3(folder, checkpoint)
+            actor = tunix_model(folder, checkpoint)
         engine = functools.partial(VLLMServerRollout, completions.url, sender=sender)
         cluster = build_cluster(actor, engine, max_tokens_to_generate=4, temperature=1.0,
                                 max_prompt_length=8)

@@ -1,6 +1,6 @@
-"""A tiny Tunix Qwen3 and the Tunix pieces around it, for the Tunix tests (CPU and GPU).
+"""Tiny Tunix models (Llama3, Qwen2, Qwen3) and the Tunix pieces around them, for the Tunix tests.
 
-The model is loaded by Tunix's own loader (``create_model_from_safe_tensors``)
+Each model is loaded by Tunix's own loader (``create_model_from_safe_tensors``)
 from a random Hugging Face checkpoint, so what lands on a server can be held
 against the checkpoint itself. ``hugging_face`` writes Tunix's tree out as
 Hugging Face tensors by hand, not through the library's mapping: the GPU
@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-# embed, heads, kv heads, head_dim, ffn, vocab, layers: heads * head_dim = 32 != embed
-D, N, K, H, F, V, LAYERS = 12, 4, 2, 8, 20, 32, 2
+# embed, heads, kv heads, head_dim, ffn, vocab, layers, experts: heads * head_dim = 32 != embed
+D, N, K, H, F, V, LAYERS, EXPERTS = 12, 4, 2, 8, 20, 32, 2, 3
 PAD, EOS, BOS = 0, 1, 2
 
 
@@ -42,35 +42,59 @@ class ToyTokenizer:
         return PAD
 
 
-def hf_checkpoint(seed: int) -> dict[str, np.ndarray]:
-    """A random untied Qwen3 checkpoint, as {Hugging Face name: float32 array}."""
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
-              "lm_head.weight": (V, D)}
+def hf_checkpoint(seed: int = 0, *, family: str = "qwen3", tied: bool = False,
+                  dtype: Any = np.float32, moe: bool = False) -> dict[str, np.ndarray]:
+    """A random Hugging Face checkpoint of ``family`` (``llama3``, ``qwen2``,
+    ``qwen3``), as {name: array}; Qwen3 with ``moe`` has ``EXPERTS`` experts."""
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not tied:
+        shapes["lm_head.weight"] = (V, D)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         shapes.update({
             p + "self_attn.q_proj.weight": (N * H, D), p + "self_attn.k_proj.weight": (K * H, D),
             p + "self_attn.v_proj.weight": (K * H, D), p + "self_attn.o_proj.weight": (D, N * H),
-            p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,),
             p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-            p + "mlp.down_proj.weight": (D, F),
         })
+        if family == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (N * H,), p + "self_attn.k_proj.bias": (K * H,),
+                           p + "self_attn.v_proj.bias": (K * H,)})
+        if family == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (H,), p + "self_attn.k_norm.weight": (H,)})
+        if moe:
+            shapes[p + "mlp.gate.weight"] = (EXPERTS, D)
+            for e in range(EXPERTS):
+                shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (F, D),
+                               p + f"mlp.experts.{e}.up_proj.weight": (F, D),
+                               p + f"mlp.experts.{e}.down_proj.weight": (D, F)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                           p + "mlp.down_proj.weight": (D, F)})
     rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(shape).astype(np.float32)
+    return {name: rng.standard_normal(shape).astype(np.float32).astype(dtype)
             for name, shape in sorted(shapes.items())}
 
 
-def tiny_qwen3(folder, checkpoint: dict[str, np.ndarray]):
-    """Tunix's Qwen3, loaded by Tunix's own loader from ``checkpoint``."""
+def tunix_model(folder, checkpoint: dict[str, np.ndarray], *, family: str = "qwen3",
+                tied: bool = False, mode: str = "optimized", moe: bool = False):
+    """Tunix's model of ``family``, loaded by Tunix's own loader from
+    ``checkpoint`` (written to ``folder`` as ``model.safetensors``)."""
     import safetensors.numpy
-    from tunix.models.qwen3 import model, params
     os.makedirs(folder, exist_ok=True)
     safetensors.numpy.save_file(checkpoint, os.path.join(folder, "model.safetensors"))
-    config = model.ModelConfig(num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F,
-                               num_heads=N, head_dim=H, num_kv_heads=K, rope_theta=10_000,
-                               norm_eps=1e-6, use_tied_embedding=False)
-    return params.create_model_from_safe_tensors(str(folder), config, mode="optimized")
+    common = dict(num_layers=LAYERS, vocab_size=V, embed_dim=D, hidden_dim=F, num_heads=N,
+                  head_dim=H, num_kv_heads=K, rope_theta=10_000, norm_eps=1e-6)
+    if family == "llama3":
+        from tunix.models.llama3 import model, params
+        config = model.ModelConfig(**common, weight_tying=tied)
+    elif family == "qwen2":
+        from tunix.models.qwen2 import model, params
+        config = model.ModelConfig(**common, use_tied_embedding=tied)
+    else:
+        from tunix.models.qwen3 import model, params
+        extra = dict(num_experts=EXPERTS, num_experts_per_tok=2) if moe else {}
+        config = model.ModelConfig(**common, use_tied_embedding=tied, **extra)
+    return params.create_model_from_safe_tensors(str(folder), config, mode=mode)
 
 
 def hugging_face(tree: Any) -> dict[str, np.ndarray]:
