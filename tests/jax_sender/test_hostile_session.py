@@ -25,7 +25,7 @@ from jax_sender import (
 )
 from jax_sender._src.naming import Mapping
 
-from support.concurrency import sigints, wait_for
+from support.concurrency import raised_under, sigints, wait_for
 from support.memory_link import memory_sender
 from support.pushes import SMALL, comm, expected, held, params, pushed, slow_step, torch_layout
 
@@ -136,19 +136,10 @@ def test_a_second_ctrl_c_while_waiting_for_the_arrays_leaves_no_session_open(wai
     sender.send(params())
     tree = step(params(2))
     fire = sigints(lambda: "/start_weight_update" in pushed(server)[3:], 2)
-    caught = []
-    try:
-        try:
-            if wait:
-                sender.send(tree)
-            else:
-                sender.send(tree, wait=False).result(30)
-        finally:
-            fire.join(15)
-    except KeyboardInterrupt as e:
-        caught.append(e)
+    e = raised_under(fire, lambda: sender.send(tree) if wait
+                     else sender.send(tree, wait=False).result(30))
     jax.block_until_ready(tree)
-    assert caught, "two Ctrl-Cs raise"
+    assert isinstance(e, KeyboardInterrupt), f"two Ctrl-Cs raise, not {e!r}"
     assert wait_for(lambda: answered(server))
     assert not server.active or sender.broken, (pushed(server)[3:], sender.broken)
 
@@ -164,15 +155,8 @@ def test_a_third_ctrl_c_does_not_undo_the_abort(monkeypatch):
     monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
     sender, (server,), caster = memory_sender(SMALL, delay_s=1.0)  # the lane polls once a second
     fire = sigints(lambda: caster.sent, 3)
-    caught = []
-    try:
-        try:
-            sender.send(params(1))
-        finally:
-            fire.join(15)
-    except KeyboardInterrupt as e:
-        caught.append(e)
-    assert caught
+    e = raised_under(fire, lambda: sender.send(params(1)))
+    assert isinstance(e, KeyboardInterrupt), repr(e)
     assert sender.broken and comm(sender).aborted, (sender.broken, pushed(server))
 
 
@@ -210,16 +194,9 @@ def test_a_first_ctrl_c_does_not_hide_an_abort():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
     server.fail["/finish_weight_update"] = 500
     fire = sigints(lambda: caster.sent, 1)
-    caught = []
-    try:
-        try:
-            sender.send(params(1))
-        finally:
-            fire.join(15)
-    except BaseException as e:
-        caught.append(e)
+    e = raised_under(fire, lambda: sender.send(params(1)))
     assert sender.broken
-    (e,) = caught
+    assert e is not None
     assert "reconnect" in str(e), f"{type(e).__name__}: {e}"
 
 

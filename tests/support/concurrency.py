@@ -34,6 +34,19 @@ def sigints(when: Callable[[], object], times: int, gap: float = 0.15) -> thread
     return th
 
 
+def raised_under(fire: threading.Thread, call: Callable[[], object]) -> BaseException | None:
+    """What ``call()`` raised, a Ctrl-C from ``fire`` (``sigints``' thread)
+    landing after it returned included, once ``fire`` ended; None if nothing."""
+    try:
+        try:
+            call()
+        finally:
+            fire.join(15)
+    except BaseException as e:  # the caller's to judge
+        return e
+    return None
+
+
 def together(work: Callable[..., None], args: list[tuple], timeout: float) -> list[BaseException]:
     """``work(*a)`` for each ``a`` in ``args``, each on a thread of its own,
     all at once; what they raised, once all ended (each joined within
