@@ -296,7 +296,6 @@ class Session:
         self.config = config
         self.sent: dict[int, list[TensorMeta]] = {}  # per src: the metadata the workers hold
         self.broken = ""  # why the group is broken, until reconnect()
-        self.closed = False
         self.closing = False  # close() began: a push still being prepared will not run
         self._closing_lock = threading.Lock()
         self._closed = threading.Event()
@@ -537,7 +536,6 @@ class Session:
         except SendError:
             ticket = Ticket(lambda: None)  # the push in flight overran: tear down beside it
         with ticket:
-            self.closed = True
             try:
                 self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
                 for client in getattr(self.route, "clients", []):
@@ -563,5 +561,5 @@ class Session:
             conn.close(deadline=deadline, free_comm=not alive, strict=strict)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"broken: {self.broken}" if self.broken else "ready"
+        state = "closed" if self.closing else f"broken: {self.broken}" if self.broken else "ready"
         return f"Session({state}, {len(self.clients)} server(s))"
