@@ -218,14 +218,14 @@ _TUNIX_EXPERTS = {("mlp", "gate_proj"): "gate_proj", ("mlp", "up_proj"): "up_pro
                   ("mlp", "down_proj"): "down_proj"}
 
 
-def _experts(num: int, path: Path) -> Fn:
-    """``[experts, in, out]`` -> one ``[out, in]`` per expert."""
+def _experts(num: int, fn: Fn, path: Path) -> Fn:
+    """``[experts, in, out]`` -> ``fn`` of each expert's ``[in, out]``."""
     def split(x: Any) -> tuple[Any, ...]:
         if x.ndim != 3 or x.shape[0] != num:
             raise MetadataError(f"{dotted(path)!r} has shape {tuple(x.shape)}, not "
                                 f"[{num} experts, in, out]: build the mapping with the "
                                 "model's num_experts")
-        return tuple(x[e].T for e in range(num))
+        return tuple(fn(x[e]) for e in range(num))
     return split
 
 
@@ -253,10 +253,7 @@ def _tunix(family: str, extra: dict[tuple[str, ...], tuple[str, Fn]], *,
                         "(num_experts=N) (the model config's num_experts)")
                 proj = _TUNIX_EXPERTS[rest]
                 names = tuple(f"{prefix}mlp.experts.{e}.{proj}.weight" for e in range(num_experts))
-                split = _experts(num_experts, path)
-                if dtype is None:
-                    return names, split
-                return names, lambda x: tuple(t.astype(dtype) for t in split(x))
+                return names, _experts(num_experts, _cast(_t, dtype), path)
             if not moe and (rest in _TUNIX_EXPERTS or rest == ("mlp", "router", "kernel")):
                 raise MetadataError(f"{dotted(path)!r} is a mixture-of-experts weight, which "
                                     f"{family} has no mapping for: use tunix_qwen3(num_experts=N) "

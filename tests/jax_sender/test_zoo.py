@@ -211,6 +211,18 @@ def test_tunix_refusals():
         jax.eval_shape(lambda x: moe.transform(path, x), jnp.zeros((4, 12, 20)))
 
 
+def test_tunix_moe_experts_each_transposed_then_cast():
+    """With ``dtype``, each expert of a stacked leaf goes as its own
+    ``[out, in]``, cast after the transpose."""
+    x = jnp.arange(3 * 4 * 5, dtype=jnp.float32).reshape(3, 4, 5) / 7  # [experts, in, out]
+    path = ("layers", "1", "mlp", "down_proj", "value")
+    out = tunix_qwen3(num_experts=3, dtype=jnp.bfloat16).transform(path, x)
+    assert len(out) == 3
+    for e, t in enumerate(out):
+        assert t.dtype == jnp.bfloat16 and t.shape == (5, 4)
+        np.testing.assert_array_equal(np.asarray(t), np.asarray(x[e].T.astype(jnp.bfloat16)))
+
+
 # -- Tunix, against its own loader ------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["optimized", "original"])
