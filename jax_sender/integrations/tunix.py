@@ -54,9 +54,9 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
 import jax
 import jax.numpy as jnp
 
-from jax_sender import MetadataError, PendingSend, SendConfig, SendError, WeightSender
-from jax_sender._src.naming import Mapping, dotted
-from nccl_cffi.waiting import Deadline
+from jax_sender import Mapping, MetadataError, PendingSend, SendConfig, SendError, WeightSender
+from jax_sender._src.naming import dotted
+from nccl_cffi import Deadline
 from uniqueid import VLLMClient, VLLMProtocolError, VLLMTimeout
 
 __all__ = ["VLLMServerRollout", "strip_prefix"]
@@ -314,8 +314,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
             previous, self._pending = self._pending, None
             if previous is not None:
                 try:
-                    previous.result(timeout=previous.bound_s + _PUSH_GRACE_S)
-                    self._weight_version = self._pending_version
+                    self._settle(previous, self._pending_version)
                 except Exception as e:  # noqa: BLE001 - logged; this push repairs it
                     log.warning("the weight push %r failed (%s); pushing again",
                                 self._pending_version, e)
@@ -347,8 +346,12 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         with self._lock:
             pending, version = self._pending, self._pending_version
             self._pending = None
-        if pending is None:
-            return
+        if pending is not None:
+            self._settle(pending, version)
+
+    def _settle(self, pending: PendingSend, version: str | None) -> None:
+        """Wait for ``pending`` within its own deadlines; once it landed,
+        ``version`` is what the servers hold."""
         try:
             pending.result(timeout=pending.bound_s + _PUSH_GRACE_S)
         except TimeoutError as e:
@@ -544,19 +547,19 @@ class VLLMServerRollout(base_rollout.BaseRollout):
 
     def pad_id(self) -> int:
         """The pad token id (given, else the tokenizer's)."""
-        if self._pad_id is not None:
-            return int(self._pad_id)
-        if self._tokenizer is None:
-            raise ValueError("VLLMServerRollout has no tokenizer: give pad_id=")
-        return int(self._tokenizer.pad_id())
+        return self._token_id(self._pad_id, "pad_id")
 
     def eos_id(self) -> int:
         """The end-of-sequence token id (given, else the tokenizer's)."""
-        if self._eos_id is not None:
-            return int(self._eos_id)
+        return self._token_id(self._eos_id, "eos_id")
+
+    def _token_id(self, given: int | None, name: str) -> int:
+        """``given``, else the tokenizer's method ``name`` (also the keyword to give)."""
+        if given is not None:
+            return int(given)
         if self._tokenizer is None:
-            raise ValueError("VLLMServerRollout has no tokenizer: give eos_id=")
-        return int(self._tokenizer.eos_id())
+            raise ValueError(f"VLLMServerRollout has no tokenizer: give {name}=")
+        return int(getattr(self._tokenizer, name)())
 
     def _has_eos(self) -> bool:
         return self._eos_id is not None or self._tokenizer is not None
@@ -659,7 +662,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         try:
             if pending is not None:
                 try:
-                    pending.result(timeout=pending.bound_s + _PUSH_GRACE_S)
+                    self._settle(pending, self._pending_version)
                 except Exception as e:  # noqa: BLE001 - closing anyway
                     log.warning("the last weight push failed: %s", e)
             if self._owns_sender and self._sender is not None:
