@@ -9,17 +9,15 @@ Deadlines elsewhere: the arrays' readiness, the answer after the last
 broadcast, a broadcast never taken and ``reconnect()``'s shutdown are in
 ``test_failures.py``."""
 
-import threading
 import time
 
 import pytest
 
-from jax_sender import SendConfig, SendError
-from jax_sender._src.sender import WeightSender
+from jax_sender import SendConfig, SendError, WeightSender
 from uniqueid import RendezvousError
 
 from support.memory_link import memory_route, memory_sender, sender_on
-from support.pushes import calls, comm, expected, held, params, pushed
+from support.pushes import Held, comm, expected, held, params, pushed
 
 SEND_S = 0.5  # SendConfig.send_timeout_s: each HTTP call of a push
 INIT_S = 1.0  # SendConfig.init_timeout_s / reconnect_timeout_s: forming the group, whole
@@ -29,26 +27,6 @@ MARGIN = 2.0
 EARLY = 0.05
 CONFIG = SendConfig(buffer_size_bytes=4096, send_timeout_s=SEND_S)
 SESSION = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
-
-
-class Held:
-    """``server.hold[path]`` for the block; released when it ends (even on a
-    failure), then waits until the held call was answered, so the server's
-    state is settled before the test goes on."""
-
-    def __init__(self, server, path: str):
-        self.server, self.path = server, path
-
-    def __enter__(self) -> "Held":
-        self.server.hold[self.path] = threading.Event()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.hold.pop(self.path).set()
-        deadline = time.monotonic() + 10
-        while not all(c.answered for c in calls(self.server, self.path)):
-            assert time.monotonic() < deadline, f"{self.path} never answered"
-            time.sleep(0.01)
 
 
 def timed(fn, deadline_s: float, exc: type, match: str):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_sender import (
+    Mapping,
     MetadataError,
     SendConfig,
     SenderClosed,
@@ -20,7 +21,6 @@ from jax_sender import (
     TransferError,
     UpdateIncomplete,
 )
-from jax_sender._src.naming import Mapping
 from uniqueid import ServerStuck
 
 from support.concurrency import sigints, wait_for
@@ -187,7 +187,7 @@ def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
     sender.send(params())
     tree = slow_step()(params(2))
     pending = sender.send(tree, wait=False)
-    wait_for(lambda: "/start_weight_update" in pushed(server)[3:])
+    assert wait_for(lambda: "/start_weight_update" in pushed(server)[3:])
     assert not tree["head"].is_ready()
     sender.close()
     assert pending.result(5).tensors == 5 and held(server) == expected(params(2))

@@ -17,17 +17,28 @@ import jax.numpy as jnp
 import pytest
 
 from jax_sender import (
+    Mapping,
     MetadataError,
     SendConfig,
     SenderClosed,
     SendError,
     SparseSender,
 )
-from jax_sender._src.naming import Mapping
 
 from support.concurrency import raised_under, sigints, wait_for
 from support.memory_link import memory_sender
-from support.pushes import SMALL, comm, expected, held, params, pushed, slow_step, torch_layout
+from support.pushes import (
+    SMALL,
+    Held,
+    answered,
+    comm,
+    expected,
+    held,
+    params,
+    pushed,
+    slow_step,
+    torch_layout,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,11 +49,6 @@ START_FINISH = ["/start_weight_update", "/finish_weight_update"]
 def step():
     """``slow_step``, compiled once for the module."""
     return slow_step()
-
-
-def answered(server) -> bool:
-    """Every request the server got has been answered (a released hold too)."""
-    return all(c.answered is not None for c in list(server.log))
 
 
 # -- an ambiguous control call: sent, not answered in time -----------------
@@ -59,17 +65,12 @@ def test_a_start_that_times_out_leaves_no_session_open_on_the_server():
     "the sender is usable" sentence, and nothing tells the caller to
     ``reconnect()``."""
     sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, send_timeout_s=0.5))
-    held_start = server.hold["/start_weight_update"] = threading.Event()
     p = jax.block_until_ready(params())
-    try:
+    with Held(server, "/start_weight_update"):
         t = time.monotonic()
         with pytest.raises(SendError, match="before any weights were sent.*reconnect"):
             sender.send(p)
         assert time.monotonic() - t < 0.5 + 1.0
-    finally:
-        held_start.set()
-    del server.hold["/start_weight_update"]
-    assert wait_for(lambda: answered(server))
     # The sender said it is usable: its next push must go through, or it must
     # at least know it is broken (reconnect() finishes an open session).
     assert not server.active or sender.broken
@@ -87,14 +88,8 @@ def test_a_pause_that_times_out_is_undone():
     says the servers keep their weights and the sender is usable; a later
     push without ``pause`` never resumes it."""
     sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, send_timeout_s=0.5))
-    held_pause = server.hold["/pause"] = threading.Event()
-    try:
-        with pytest.raises(SendError, match="before any weights were sent"):
-            sender.send(params(), pause="wait")
-    finally:
-        held_pause.set()
-    del server.hold["/pause"]
-    assert wait_for(lambda: answered(server))
+    with Held(server, "/pause"), pytest.raises(SendError, match="before any weights were sent"):
+        sender.send(params(), pause="wait")
     sender.send(params(1))
     assert not server.paused, pushed(server)
 

@@ -12,8 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sender import LoadPlan, MetadataError, PendingSend, SendConfig, TensorMeta, describe
-from jax_sender._src.naming import Mapping
+from jax_sender import (
+    LoadPlan,
+    Mapping,
+    MetadataError,
+    PendingSend,
+    SendConfig,
+    TensorMeta,
+    describe,
+)
 
 from support.concurrency import together, wait_for
 from support.memory_link import memory_sender

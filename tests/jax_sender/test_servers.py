@@ -3,15 +3,14 @@ resume, start and finish, an update refused by one, ``verify``. What each
 server got is read from its own log (``support.memory_server``), and every
 failure ends with the same servers taking a bit-exact push."""
 
-import time
 
 import pytest
 
 from jax_sender import SendError
 
-from support.concurrency import together
+from support.concurrency import together, wait_for
 from support.memory_link import memory_sender
-from support.pushes import SMALL, calls, comm, expected, held, params, pushed
+from support.pushes import SMALL, answered, calls, comm, expected, held, params, pushed
 
 SESSION = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 PAUSED = ["/pause", *SESSION, "/resume"]
@@ -21,16 +20,6 @@ MEND_OPEN = ["/shutdown_weight_transfer_engine", "/finish_weight_update",
              "/shutdown_weight_transfer_engine", "/get_world_size", "/init_weight_transfer_engine"]
 MEND_CLOSED = ["/shutdown_weight_transfer_engine", "/get_world_size",
                "/init_weight_transfer_engine"]
-
-
-def wait_answered(server, path: str, timeout: float = 10.0) -> None:
-    """Until every call of ``path`` the server got has been answered."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(c.answered for c in calls(server, path)):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{path} still unanswered on {server.url}")
 
 
 def since(server, n: int) -> list[str]:
@@ -143,7 +132,7 @@ def test_an_update_refused_by_one_of_two_servers_leaves_the_other_to_reconnect()
     with pytest.raises(SendError, match=f"{b.url}/update_weights.*injected failure.*reconnect"):
         sender.send(params(1))
     assert sender.broken and comm(sender).aborted
-    wait_answered(a, "/update_weights")
+    assert wait_for(lambda: answered(a, "/update_weights"))
     assert calls(a, "/update_weights")[-1].status == 200 and a.active
     assert calls(b, "/update_weights")[-1].status == 500 and not b.active
     assert pushed(a) == pushed(b) == SESSION[:2]

@@ -35,6 +35,7 @@ from jax_sender import TUNIX_QWEN3, MetadataError, SendConfig
 from support import ROOT, TESTS
 from support.completions_server import CompletionsServer, Refused, check_request
 from support.memory_link import memory_sender
+from support.pushes import assert_same_tensors, calls
 from support.tiny_tunix import (
     BOS,
     EOS,
@@ -109,15 +110,6 @@ def link():
     servers[0].close()
 
 
-def assert_landed(store: dict[str, np.ndarray], checkpoint: dict[str, np.ndarray]) -> None:
-    """Name for name, byte for byte."""
-    assert sorted(store) == sorted(checkpoint), sorted(set(store) ^ set(checkpoint))
-    for name, want in checkpoint.items():
-        got = store[name]
-        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
-        assert got.tobytes() == want.tobytes(), name
-
-
 # -- weights: RLCluster.sync_weights -> update_params -> the servers ------------------
 
 def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
@@ -138,7 +130,7 @@ def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
 
     cluster.sync_weights()
     rollout.wait_for_push()
-    assert_landed(server.store, first)
+    assert_same_tensors(server.store, first)
     assert server.weight_version == rollout.weight_version == "sync-1"
 
     # The trainer's weights change (as after a step); the push of them is held at
@@ -158,8 +150,8 @@ def test_sync_weights_lands_the_model(tunix, tmp_path, link, completions):
         held.set()
         releaser.cancel()
     assert server.weight_version == rollout.weight_version == "sync-2"
-    assert_landed(server.store, second)
-    finish = [c for c in server.log if c.path == "/finish_weight_update"][-1]
+    assert_same_tensors(server.store, second)
+    finish = calls(server, "/finish_weight_update")[-1]
     assert completions.arrivals[0] >= finish.answered  # samples asked after the push ended
     assert isinstance(rollout, base_rollout.BaseRollout)
     rollout.close()
@@ -170,7 +162,7 @@ def test_the_hand_written_names_are_tunixs_loader_inverted(tunix, tmp_path):
     training step) turns the model Tunix's loader built back into its checkpoint."""
     from flax import nnx
     checkpoint = hf_checkpoint(4)
-    assert_landed(hugging_face(nnx.state(tunix_model(tmp_path, checkpoint), nnx.Param)),
+    assert_same_tensors(hugging_face(nnx.state(tunix_model(tmp_path, checkpoint), nnx.Param)),
                   checkpoint)
 
 
@@ -190,7 +182,7 @@ def test_one_grpo_step_lands_the_trained_actor(tunix, tmp_path, link, completion
     grpo_step(cluster)
     cluster.rollout.wait_for_push()
     trained = hugging_face(nnx.state(cluster.actor_trainer.model, nnx.Param))
-    assert_landed(server.store, trained)
+    assert_same_tensors(server.store, trained)
     assert server.weight_version == cluster.rollout.weight_version == "sync-2"
     changed = [n for n in trained if trained[n].tobytes() != checkpoint[n].tobytes()]
     assert len(changed) > len(trained) // 2, changed  # the step trained the actor
@@ -239,7 +231,7 @@ def test_an_explicit_mesh_actor_lands(tunix, tmp_path, packed):
         cluster.sync_weights()
         cluster.rollout.wait_for_push()
         assert servers[0].weight_version == cluster.rollout.weight_version == "sync-1"
-        assert_landed(servers[0].store, checkpoint)
+        assert_same_tensors(servers[0].store, checkpoint)
         cluster.rollout.close()
     finally:
         sender.close()
@@ -265,7 +257,7 @@ def test_a_failed_push_is_raised_by_generate_then_repaired(tunix, tmp_path, link
     cluster.sync_weights()
     cluster.rollout.wait_for_push()
     assert server.weight_version == cluster.rollout.weight_version == "sync-2"
-    assert_landed(server.store, checkpoint)
+    assert_same_tensors(server.store, checkpoint)
     assert len(cluster.generate(["ab"]).tokens) == 1
     cluster.rollout.close()
 
@@ -465,9 +457,7 @@ def test_strip_prefix_names_maxtexts_adapter_tree(tunix):
     mapping = strip_prefix(maxtext_qwen3(num_layers=golden.DIMS["layers"]), "base")
     got = {name: np.asarray(mapping.apply(path, leaf))
            for name, path, leaf in named_arrays(tree, mapping)}
-    assert sorted(got) == sorted(want)
-    for name, w in want.items():
-        assert got[name].dtype == w.dtype and got[name].tobytes() == w.tobytes(), name
+    assert_same_tensors(got, want)
     with pytest.raises(MetadataError, match="not under 'base'"):
         named_arrays({"other": inner}, mapping)
 

@@ -38,6 +38,7 @@ from jax_sender import (
 )
 
 from support import make_zoo_golden as golden
+from support.pushes import assert_same_tensors
 from support.tiny_tunix import EXPERTS, hf_checkpoint, tunix_model
 
 GOLDEN = os.path.join(os.path.dirname(golden.__file__), "zoo_golden")
@@ -67,15 +68,6 @@ def apply(mapping: Mapping, tree) -> dict[str, np.ndarray]:
     return out
 
 
-def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    """Name for name, byte for byte."""
-    assert sorted(got) == sorted(want), (sorted(set(got) ^ set(want)))
-    for name, w in want.items():
-        g = got[name]
-        assert (g.shape, g.dtype) == (w.shape, w.dtype), (name, g.shape, g.dtype, w.shape, w.dtype)
-        assert g.tobytes() == w.tobytes(), name
-
-
 # -- MaxText, against its own hooks (golden files) ---------------------------------
 
 def _maxtext_mapping(case: str) -> Mapping:
@@ -90,7 +82,7 @@ def _maxtext_mapping(case: str) -> Mapping:
 def test_maxtext_matches_its_own_hooks(case):
     want = golden.load(os.path.join(GOLDEN, f"{case}.npz"))
     tree = golden.maxtext_tree(case)
-    assert_same(apply(_maxtext_mapping(case), tree), want)
+    assert_same_tensors(apply(_maxtext_mapping(case), tree), want)
 
 
 @pytest.mark.parametrize("case", ["llama31_scanned", "qwen3_unscanned"])
@@ -111,7 +103,7 @@ def test_maxtext_path_forms(case):
 @pytest.mark.parametrize("case", sorted(golden.CASES))
 def test_golden_files_are_what_the_script_makes(case):
     want = golden.load(os.path.join(GOLDEN, f"{case}.npz"))
-    assert_same({k: np.asarray(v) for k, v in golden.maxtext_to_hf(case).items()}, want)
+    assert_same_tensors({k: np.asarray(v) for k, v in golden.maxtext_to_hf(case).items()}, want)
 
 
 def test_maxtext_layer_count_and_layouts():
@@ -172,7 +164,7 @@ def test_through_the_core_when_it_splits_leaves():
     mapping = _maxtext_mapping(case)
     got = {name: np.asarray(mapping.apply(path, leaf))
            for name, path, leaf in naming.named_arrays(golden.maxtext_tree(case), mapping)}
-    assert_same(got, want)
+    assert_same_tensors(got, want)
 
 
 # -- Tunix's naming, without Tunix ----------------------------------------------
@@ -237,7 +229,7 @@ def test_tunix_gives_back_the_checkpoint(tmp_path, family, mapping, tied, mode):
     model = tunix_model(tmp_path, checkpoint, family=family, tied=tied, mode=mode)
     state = nnx.state(model, nnx.Param)
     assert ("lm_head" in state) is not tied
-    assert_same(apply(mapping, state), checkpoint)
+    assert_same_tensors(apply(mapping, state), checkpoint)
 
 
 def test_tunix_bfloat16_and_pure_dict(tmp_path):
@@ -247,8 +239,8 @@ def test_tunix_bfloat16_and_pure_dict(tmp_path):
     checkpoint = hf_checkpoint(1, dtype=jnp.bfloat16)
     model = tunix_model(tmp_path, checkpoint)
     state = nnx.state(model, nnx.Param)
-    assert_same(apply(TUNIX_QWEN3, state), checkpoint)
-    assert_same(apply(TUNIX_QWEN3, state.to_pure_dict()), checkpoint)
+    assert_same_tensors(apply(TUNIX_QWEN3, state), checkpoint)
+    assert_same_tensors(apply(TUNIX_QWEN3, state.to_pure_dict()), checkpoint)
 
 
 def test_tunix_qwen3_moe_gives_back_the_checkpoint(tmp_path):
@@ -258,6 +250,6 @@ def test_tunix_qwen3_moe_gives_back_the_checkpoint(tmp_path):
     checkpoint = hf_checkpoint(2, moe=True)
     model = tunix_model(tmp_path, checkpoint, moe=True)
     state = nnx.state(model, nnx.Param)
-    assert_same(apply(tunix_qwen3(num_experts=EXPERTS), state), checkpoint)
+    assert_same_tensors(apply(tunix_qwen3(num_experts=EXPERTS), state), checkpoint)
     with pytest.raises(MetadataError, match="num_experts"):
         apply(TUNIX_QWEN3, state)

@@ -925,13 +925,6 @@ def _tunix_qwen3_tree(seed: int, layers: int = 2, embed: int = 64, heads: int = 
             "lm_head": {"w": w(embed, vocab)}, "layers": {str(i): layer() for i in range(layers)}}
 
 
-def _vllm_checksums(tensors: dict) -> dict[str, str]:
-    """``/weight_checker``'s baseline for one worker holding ``tensors``."""
-    import hashlib
-    return {f"dp0:pp0:pcp0:tp0:{n}": hashlib.sha256(x.tobytes()).hexdigest()
-            for n, x in tensors.items()}
-
-
 def tunix_qwen3(url: str, mode: str) -> None:
     """A Tunix Qwen3 tree pushed through ``TUNIX_QWEN3``, twice (the second
     reusing the metadata): each worker holds the Hugging Face tensors written
@@ -946,7 +939,7 @@ def tunix_qwen3(url: str, mode: str) -> None:
         tree = _tunix_qwen3_tree(i)
         stats = sender.send(tree, weight_version=f"tunix-{i}")
         assert stats.reused_metadata == (i > 0), stats
-        want = _vllm_checksums(hugging_face(tree))
+        want = _checksums(hugging_face(tree).items(), 1)
         ans = client.weight_checker("compare", baseline=want)
         assert ans["match"], ans["mismatches"][:5]
         check = sender.verify(tree)
@@ -992,7 +985,7 @@ def tunix_grpo_step(url: str) -> None:
                                 max_prompt_length=8)
         cluster.sync_weights()
         cluster.rollout.wait_for_push()
-        ans = client.weight_checker("compare", baseline=_vllm_checksums(checkpoint))
+        ans = client.weight_checker("compare", baseline=_checksums(checkpoint.items(), 1))
         assert ans["match"], ans["mismatches"][:5]
         grpo_step(cluster)
         cluster.rollout.wait_for_push()
@@ -1000,7 +993,7 @@ def tunix_grpo_step(url: str) -> None:
         trained = hugging_face(state)
         changed = [n for n in trained if trained[n].tobytes() != checkpoint[n].tobytes()]
         assert len(changed) > len(trained) // 2, changed
-        ans = client.weight_checker("compare", baseline=_vllm_checksums(trained))
+        ans = client.weight_checker("compare", baseline=_checksums(trained.items(), 1))
         assert ans["match"], ans["mismatches"][:5]
         check = sender.verify(state)
         assert check.ok and len(check.matched) == len(trained), check

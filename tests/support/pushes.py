@@ -3,11 +3,15 @@ of ``send`` over the in-memory link."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_sender import SendConfig
+
+from .concurrency import wait_for
 
 SMALL = SendConfig(buffer_size_bytes=4096, num_buffers=2)
 
@@ -25,6 +29,15 @@ def params(seed: int = 0) -> dict:
 def held(server) -> dict[str, bytes]:
     """What a memory server's workers hold, by name."""
     return {k: v.tobytes() for k, v in server.store.items()}
+
+
+def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Name for name, shape, dtype and bytes."""
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for name, w in want.items():
+        g = got[name]
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), (name, g.shape, g.dtype, w.shape, w.dtype)
+        assert g.tobytes() == w.tobytes(), name
 
 
 def leaves(tree, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
@@ -61,6 +74,28 @@ def pushed(server) -> list[str]:
 def calls(server, path: str) -> list:
     """The server's log entries for ``path``."""
     return [c for c in server.log if c.path == path]
+
+
+def answered(server, path: str | None = None) -> bool:
+    """Every call the server got (of ``path``) has been answered (a released hold too)."""
+    return all(c.answered is not None for c in list(server.log) if path in (None, c.path))
+
+
+class Held:
+    """``server.hold[path]`` for the block; released when it ends (even on a
+    failure), then waits until every call the server got was answered, so
+    its state is settled before the test goes on."""
+
+    def __init__(self, server, path: str):
+        self.server, self.path = server, path
+
+    def __enter__(self) -> Held:
+        self.server.hold[self.path] = threading.Event()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.hold.pop(self.path).set()
+        assert wait_for(lambda: answered(self.server)), f"{self.path}: a call never answered"
 
 
 def comm(sender):
