@@ -165,12 +165,14 @@ def test_packed_sends_the_turns_bytes_cut_at_plan_chunks_boundaries(rig, tempora
     ``temporaries`` each chunk's tensors are freed once copied (the host
     waits for the copy, so only the chunk at hand is ever alive, besides
     lone tensors whose own broadcast is in flight); without, the host never
-    waits for a copy. Nothing is kept after a pass."""
+    waits for a copy. Nothing is kept after a pass. Every launch and wait
+    is bounded by the call's timeout."""
     b, gpu = rig
     for seed in range(2):
         packed_pass(b, gpu, turn(seed), temporaries)
     gpu.synchronize()
     assert gpu.problems == []
+    assert b.comm.timeouts and set(b.comm.timeouts) == {10}
 
 
 def packed_pass(b: packer.Broadcaster, gpu: FakeGPU, arrays: list[jax.Array],
@@ -294,7 +296,8 @@ def test_unpacked_sends_each_tensor_from_its_buffer_in_its_own_dtype(rig):
     own buffer, with its element count and its ``ncclDataType_t``, and
     carries its bytes; the tensor is kept until its broadcast ended (the
     stand-in refuses freed memory), then freed; up to eight broadcasts in
-    flight, never more (the window of ``max(num_buffers, 8)``)."""
+    flight, never more (the window of ``max(num_buffers, 8)``). Every launch
+    and wait is bounded by the call's timeout."""
     b, gpu = rig
     shapes = [((7, 3), jnp.float32), ((11,), jnp.bfloat16), ((13,), jnp.int8),
               ((5,), jnp.int32), ((4, 6), jnp.float16)]
@@ -311,6 +314,7 @@ def test_unpacked_sends_each_tensor_from_its_buffer_in_its_own_dtype(rig):
     assert source.alive() == []
     gpu.synchronize()
     assert gpu.problems == []
+    assert b.comm.timeouts and set(b.comm.timeouts) == {10}
 
 
 # -- scratch: bytes that carry no weights ---------------------------------------------------

@@ -35,11 +35,10 @@ mode: ``"16"`` is not an int here), and streaming and beam search are refused
 
 The model is a toy whose next-token distribution depends on the previous
 token alone: ``table[prev]`` holds the log-softmax of fixed random logits, so
-a test knows every logprob the server gives. Prompt logprobs are raw (vLLM
-computes them before any sampling processor: ``v1/worker/gpu_model_runner.py:
-_get_prompt_logprobs_dict``); sampled tokens' logprobs follow
-``logprobs_mode`` (vLLM's default ``raw_logprobs``, or ``processed_logprobs``:
-after temperature).
+a test knows every logprob the server gives. Logprobs are raw: prompt
+logprobs always (vLLM computes them before any sampling processor:
+``v1/worker/gpu_model_runner.py: _get_prompt_logprobs_dict``), sampled
+tokens' under vLLM's default ``logprobs_mode`` (``raw_logprobs``).
 """
 
 from __future__ import annotations
@@ -255,8 +254,6 @@ class CompletionsServer:
         eos_id: the model's end-of-sequence token.
         max_model_len: the longest prompt taken.
         model_name: the served model's name (the answers' ``model``).
-        logprobs_mode: ``"raw_logprobs"`` (vLLM's default) or
-            ``"processed_logprobs"`` for sampled tokens' logprobs.
         hang: accept each request and never answer it (until ``close``).
         mangle: applied to each answer before it is sent (a test's way to
             answer what vLLM never would).
@@ -271,11 +268,11 @@ class CompletionsServer:
     """
 
     def __init__(self, *, vocab_size: int = 32, eos_id: int = 1, max_model_len: int = 256,
-                 model_name: str = "tiny-qwen3", logprobs_mode: str = "raw_logprobs",
-                 hang: bool = False, seed: int = 0, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 model_name: str = "tiny-qwen3", hang: bool = False, seed: int = 0,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                  mangle: Callable[[dict], dict] | None = None):
         self.vocab_size, self.eos_id, self.max_model_len = vocab_size, eos_id, max_model_len
-        self.model_name, self.logprobs_mode, self.hang = model_name, logprobs_mode, hang
+        self.model_name, self.hang = model_name, hang
         self.max_logprobs, self.mangle = max_logprobs, mangle
         logits = np.random.default_rng(seed).standard_normal((vocab_size, vocab_size)) * 2.0
         self.logits = logits
@@ -347,16 +344,10 @@ class CompletionsServer:
         probs = np.where(keep, probs, 0.0)
         return int(rng.choice(self.vocab_size, p=probs / probs.sum()))
 
-    def _logprob(self, prev: int, tok: int, temperature: float | None) -> float:
-        if self.logprobs_mode == "processed_logprobs" and temperature and temperature >= _SAMPLING_EPS:
-            scaled = self.logits[prev] / temperature
-            return float(scaled[tok] - np.logaddexp.reduce(scaled))
-        return float(self.table[prev, tok])
-
-    def _position(self, prev: int, tok: int, k: int | None, temperature: float | None) -> dict:
+    def _position(self, prev: int, tok: int, k: int | None) -> dict:
         """One position's logprobs as the engine gives them (``dict[int, Logprob]``):
         the token itself first, then the top ``k`` (all for -1)."""
-        row = [self._logprob(prev, t, temperature) for t in range(self.vocab_size)]
+        row = [float(self.table[prev, t]) for t in range(self.vocab_size)]
         order = sorted(range(self.vocab_size), key=lambda t: -row[t])
         rank = order.index(tok) + 1
         out = {tok: {"logprob": row[tok], "rank": rank, "decoded_token": self.decode(tok)}}
@@ -382,8 +373,8 @@ class CompletionsServer:
         choices, n_prompt, n_gen = [], 0, 0
         for prompt in prompts:
             prompt_lps = None
-            if prompt_k is not None:  # raw, whatever the mode (gpu_model_runner.py)
-                prompt_lps = [None] + [self._position(prompt[i - 1], prompt[i], prompt_k, None)
+            if prompt_k is not None:
+                prompt_lps = [None] + [self._position(prompt[i - 1], prompt[i], prompt_k)
                                        for i in range(1, len(prompt))]
             rng = np.random.default_rng(req.seed) if req.seed is not None else self._rng
             for _ in range(req.n):
@@ -393,7 +384,7 @@ class CompletionsServer:
                     tok = self._sample(prev, req, rng)
                     out.append(tok)
                     if req.logprobs is not None:
-                        lps.append(self._position(prev, tok, req.logprobs, req.temperature))
+                        lps.append(self._position(prev, tok, req.logprobs))
                     prev = tok
                     if tok == self.eos_id and not req.ignore_eos:
                         finish = "stop"

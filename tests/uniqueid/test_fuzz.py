@@ -43,9 +43,7 @@ INIT_KEYS = ("master_address", "master_port", "rank_offset", "world_size", "nccl
 DENSE_KEYS = ("names", "dtype_names", "shapes", "src")
 SPARSE_KEYS = ("names", "dtype_names", "shapes", "num_updates_list")
 DENSE_ENGINE = "NCCLWeightTransferEngine"
-# The library names the dense engine in its sparse refusals too: pinned by
-# test_sparse_refusals_name_the_sparse_engine; the fuzz takes either name.
-SPARSE_ENGINE_RE = r"(Sparse)?NCCLWeightTransferEngine"
+SPARSE_ENGINE = "SparseNCCLWeightTransferEngine"  # vLLM names the class that parses
 
 
 # ---- the expected outcome of a payload ------------------------------------
@@ -222,19 +220,19 @@ def expect_sparse(payload) -> Refused | Accepted:
     """vLLM's sparse worker parsing ``update_info`` (SparseNCCLWeightTransferUpdateInfo)."""
     what = "update_info"
     if not isinstance(payload, dict):
-        return Refused(f"^Invalid {what} for {SPARSE_ENGINE_RE}")
-    refused = (_unknown(payload, SPARSE_KEYS, what, SPARSE_ENGINE_RE)
-               or _missing(payload, SPARSE_KEYS, "positional", what, SPARSE_ENGINE_RE))
+        return Refused(f"^Invalid {what} for {SPARSE_ENGINE}")
+    refused = (_unknown(payload, SPARSE_KEYS, what, SPARSE_ENGINE)
+               or _missing(payload, SPARSE_KEYS, "positional", what, SPARSE_ENGINE))
     if refused:
         return refused
     counts = payload["num_updates_list"]
     try:  # SparseNCCLWeightTransferUpdateInfo.__post_init__, in its order
-        n = _len(payload["names"], what, SPARSE_ENGINE_RE)
+        n = _len(payload["names"], what, SPARSE_ENGINE)
         for key in ("dtype_names", "shapes"):
-            refused = _same_size(key, _len(payload[key], what, SPARSE_ENGINE_RE), n)
+            refused = _same_size(key, _len(payload[key], what, SPARSE_ENGINE), n)
             if refused:
                 return refused
-        if _len(counts, what, SPARSE_ENGINE_RE) == 0:
+        if _len(counts, what, SPARSE_ENGINE) == 0:
             return Refused("^`num_updates_list` cannot be empty for sparse updates$")
         refused = _same_size("num_updates_list", len(counts), n)
         if refused:
@@ -248,8 +246,8 @@ def expect_sparse(payload) -> Refused | Accepted:
     except TypeError:  # a comparison Python cannot make: vLLM refuses, in Python's words
         return Refused("num_updates_list")
     if negative:
-        # vLLM: "Sparse `num_updates_list` entries must be non-negative" (the library
-        # words it otherwise: test_a_negative_sparse_count_is_refused_in_vllms_words)
+        # vLLM: "Sparse `num_updates_list` entries must be non-negative"
+        # (the whole sentence: test_sparse_refusals_are_in_vllms_words)
         return Refused("num_updates_list")
     stricter = _ill_typed_lists(payload)
     if not all(_is_int(n) for n in counts):
