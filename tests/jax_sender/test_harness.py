@@ -9,7 +9,8 @@ import pytest
 
 from jax_sender.testing.harness import SHARE_GPUS, free_port, gpu_env, run_all
 
-from support import TESTS
+from support import on_tests_path
+from support.concurrency import wait_for
 
 
 def test_one_rank_per_gpu_by_default(monkeypatch):
@@ -143,16 +144,14 @@ def server():
 def test_waits(server):
     time.sleep(120)
 ''')
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = on_tests_path(dict(os.environ))
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "support.sigterm",
                             "-p", "no:cacheprovider", str(tmp_path / "test_stopped.py")],
                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not pidfile.exists() or not pidfile.read_text():
-        assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
-        time.sleep(0.1)
+    assert wait_for(lambda: run.poll() is not None or pidfile.exists() and pidfile.read_text(),
+                    60, 0.1)
+    assert run.poll() is None and pidfile.read_text(), run.stdout.read()
     pid = int(pidfile.read_text())
     time.sleep(0.5)  # inside the test's sleep
     run.send_signal(signal.SIGTERM)

@@ -25,6 +25,7 @@ from jax_sender import (
     SparseSender,
 )
 
+from support import on_tests_path
 from support.concurrency import raised_under, sigints, wait_for
 from support.memory_link import memory_sender
 from support.pushes import (
@@ -280,10 +281,8 @@ def test_a_deleted_array_does_not_crash_the_trainer():
         except TransferError as e:
             print("refused:", type(e).__name__, pushed(server))
     """)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, env=env)
+                         timeout=60, env=on_tests_path(dict(os.environ)))
     assert run.returncode == 0, (run.returncode, run.stderr[-600:])
     assert "refused: MetadataError []" in run.stdout
 

@@ -32,7 +32,7 @@ import pytest
 
 from jax_sender import TUNIX_QWEN3, MetadataError, SendConfig
 
-from support import ROOT, TESTS
+from support import ROOT, on_tests_path
 from support.completions_server import CompletionsServer, Refused, check_request
 from support.memory_link import memory_sender
 from support.pushes import assert_same_tensors, calls
@@ -61,8 +61,7 @@ def test_import_without_tunix_names_the_install():
             "    print(e)\n"
             "else:\n"
             "    print('imported')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
-               JAX_PLATFORMS="cpu")
+    env = on_tests_path(dict(os.environ, JAX_PLATFORMS="cpu"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60, cwd=str(ROOT))
     message = out.stdout.strip()

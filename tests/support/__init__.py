@@ -12,9 +12,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 
+def on_tests_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository and the tests folder first on its
+    ``PYTHONPATH``: a child process started with it imports this checkout's
+    packages and ``support``, from any working directory."""
+    path = os.pathsep.join(p for p in (str(ROOT), str(TESTS), env.get("PYTHONPATH", "")) if p)
+    return dict(env, PYTHONPATH=path)
+
+
 def child(module: str, *args: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """argv and environment that run ``support.<module>`` in a child process
-    (from the repository root, where ``.vllm/`` is looked for): the tests
-    folder goes on its ``PYTHONPATH``, so it finds ``support``."""
-    path = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
-    return [sys.executable, "-m", f"support.{module}", *args], dict(env, PYTHONPATH=path)
+    (from the repository root, where ``.vllm/`` is looked for), with
+    ``on_tests_path(env)``."""
+    return [sys.executable, "-m", f"support.{module}", *args], on_tests_path(env)
