@@ -1,4 +1,5 @@
-"""The subset of ``nccl.h`` (and five calls of ``cuda.h``) this binding declares.
+"""The subset of ``nccl.h`` (and five calls of ``cuda.h``, and NCCL M2N's
+``nccl_m2n.h``) this binding declares.
 
 Declared by hand rather than parsed from a header so that installing needs no
 CUDA toolkit. Only types whose layout NCCL has kept stable since 2.14 appear
@@ -85,4 +86,22 @@ typedef struct {
   DLPackVersion version; void *manager_ctx; void (*deleter)(void *);
   uint64_t flags; DLTensor dl_tensor;
 } DLManagedTensorVersioned;
+
+/* NCCL M2N (libnccl_m2n of nccl-extensions; nccl_m2n.h, NCCL_M2N_API_VERSION 2) */
+typedef struct {
+  size_t size; unsigned int version; int ndims; int *dims; int startRank;
+} ncclMesh_t;
+typedef struct {
+  size_t size; unsigned int version; void *dataPtr; size_t *localShape; int ndims;
+  ncclDataType_t dtype; const ncclMesh_t *mesh; int *placements;
+} ncclDistTensor_t;
+typedef struct {
+  size_t size; unsigned int magic; unsigned int version; int maxCta;
+} ncclM2nConfig_t;
+typedef struct ncclM2nHandle* ncclM2nHandle_t;
+ncclResult_t ncclM2nInit(ncclM2nHandle_t *handle, const ncclM2nConfig_t *config);
+ncclResult_t ncclM2nFinalize(ncclM2nHandle_t handle);
+const char* ncclM2nGetLastError(void);
+ncclResult_t ncclReshard(ncclM2nHandle_t handle, ncclComm_t comm, const ncclDistTensor_t *src,
+                         const ncclDistTensor_t *dst, cudaStream_t stream);
 """

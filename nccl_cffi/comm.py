@@ -288,6 +288,18 @@ class Communicator:
             )
         return self._handle
 
+    def raw(self) -> Any:
+        """The open ``ncclComm_t``, for a library that runs its own collectives
+        on this communicator (NCCL M2N's reshard, ``m2n.py``).
+
+        Returns:
+            The cffi ``ncclComm_t``.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+        """
+        return self._live()
+
     def get_async_error(self) -> int:
         """``ncclCommGetAsyncError``: 0 ok, 7 in progress, else the failure code.
 

@@ -139,7 +139,10 @@ def test_committed_ffi_module_matches_the_cdef():
     assert committed.list_types() == fresh.list_types()
     for t in ("ncclConfig_t", "ncclUniqueId", "DLTensor", "DLManagedTensorVersioned"):
         assert committed.sizeof(t) == fresh.sizeof(t), t
-    names = [ln.split("(")[0].split()[-1].lstrip("*") for ln in CDEF.splitlines()
+    for t in ("ncclMesh_t", "ncclDistTensor_t", "ncclM2nConfig_t"):
+        assert committed.sizeof(t) == fresh.sizeof(t), t
+    nccl_part = CDEF.split("/* NCCL M2N")[0]  # what follows is libnccl_m2n's
+    names = [ln.split("(")[0].split()[-1].lstrip("*") for ln in nccl_part.splitlines()
              if ln.startswith(("ncclResult_t nccl", "const char* nccl"))]
     lib = nccl_cffi.load_library()
     for n in names:
