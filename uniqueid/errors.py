@@ -16,3 +16,12 @@ class ServerStuck(RendezvousTimeout):
     """A server's weight-transfer engine does not answer: its workers are
     most likely inside an NCCL call whose peer left, which vLLM gives no
     deadline; only a restart of that server frees them."""
+
+
+class StoreError(RendezvousError):
+    """The metadata store refused a call, went away, or a peer broke its
+    protocol."""
+
+
+class StoreTimeout(StoreError, RendezvousTimeout):
+    """A metadata-store call did not finish within its deadline."""

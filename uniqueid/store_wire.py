@@ -1,0 +1,324 @@
+"""torch c10d ``TCPStore``'s wire format, both directions, to the byte.
+
+Why our own: vLLM's ``nccl_m2n`` workers join their metadata group with
+torch's ``TCPStore`` client, and a torch-free trainer has to host (and
+join) that store without torch. What torch's client sends, read from
+``TCPStore.cpp`` and the classic (non-libuv) ``TCPStoreBackend.cpp``:
+
+* every request is one byte of ``QueryType`` then its fields; integers are
+  the sender's native byte order (little-endian on every host vLLM runs
+  on), a string or a byte vector is a u64 length then the bytes;
+* a connection's first request is ``VALIDATE`` with ``MAGIC`` (the server
+  drops a connection that opens with anything else), then ``PING`` with a
+  nonce the server echoes;
+* every key the client's public calls name gets ``KEY_PREFIX`` in front;
+  the one exception is ``JOIN_KEY``, which a client given a world size
+  increments on connect (``waitForWorkers``);
+* ``get`` is ``WAIT`` for the key, then ``GET``; a ``WAIT`` not answered
+  within the client's timeout is followed by ``CANCEL_WAIT``, which the
+  server answers with ``WAIT_CANCELED`` (after a ``STOP_WAITING`` already
+  on its way, if the key arrived meanwhile).
+
+The codes are those of torch 2.8 through 2.13 (torch only ever appended
+new ones). Requests this module has no shape for (the libuv backend's
+queues, ``LIST_KEYS``, ``BARRIER``) are refused, as the classic backend
+refuses what it does not know.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+__all__ = [
+    "JOIN_KEY", "KEY_PREFIX", "MAGIC", "CheckAnswer", "Query", "Request", "WaitAnswer",
+    "WireError", "WireLimits", "blob", "checked_value", "encode_request", "i64", "parse_request", "wire_key",
+]
+
+MAGIC = 0x3C85F7CE
+KEY_PREFIX = b"/"
+JOIN_KEY = b"init/"
+
+
+class Query(IntEnum):
+    """``c10d::detail::QueryType``."""
+
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+
+
+class CheckAnswer(IntEnum):
+    """``CheckResponseType``: one byte."""
+
+    READY = 0
+    NOT_READY = 1
+
+
+class WaitAnswer(IntEnum):
+    """``WaitResponseType``: one byte."""
+
+    STOP_WAITING = 0
+    WAIT_CANCELED = 1
+
+
+# Each request's fields, in order: "u32" and "i64" fill ``Request.number``;
+# "key" and "value" take the next of ``keys`` / ``values``; "keys" is a u64
+# count and that many keys; "pairs" an i64 count and that many key, value.
+_SHAPES: dict[Query, tuple[str, ...]] = {
+    Query.VALIDATE: ("u32",),
+    Query.PING: ("u32",),
+    Query.SET: ("key", "value"),
+    Query.COMPARE_SET: ("key", "value", "value"),
+    Query.GET: ("key",),
+    Query.ADD: ("key", "i64"),
+    Query.CHECK: ("keys",),
+    Query.WAIT: ("keys",),
+    Query.GETNUMKEYS: (),
+    Query.DELETE_KEY: ("key",),
+    Query.APPEND: ("key", "value"),
+    Query.MULTI_GET: ("keys",),
+    Query.MULTI_SET: ("pairs",),
+    Query.CANCEL_WAIT: (),
+}
+_NUMBERS = {"u32": struct.Struct("<I"), "i64": struct.Struct("<q")}
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+class WireError(ValueError):
+    """A peer sent what torch's client never sends: an unknown code, a size
+    over the limits, a count that does not fit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireLimits:
+    """What one request may carry.
+
+    Args:
+        max_key_bytes: the longest key, prefix included.
+        max_value_bytes: the longest value.
+        max_keys_per_request: the most keys one ``CHECK``, ``WAIT``,
+            ``MULTI_GET`` or ``MULTI_SET`` names.
+        max_request_bytes: the most bytes one request takes, all fields.
+    """
+
+    max_key_bytes: int = 4096
+    max_value_bytes: int = 16 * 2**20
+    max_keys_per_request: int = 1024
+    max_request_bytes: int = 32 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One request as torch's client sends it.
+
+    Args:
+        query: its code.
+        keys: the keys it names, as sent (prefix included).
+        values: its byte vectors (``SET``'s value, ``COMPARE_SET``'s
+            expected and desired, ``MULTI_SET``'s values).
+        number: ``VALIDATE``'s magic, ``PING``'s nonce or ``ADD``'s delta.
+    """
+
+    query: Query
+    keys: tuple[bytes, ...] = ()
+    values: tuple[bytes, ...] = ()
+    number: int = 0
+
+
+class _Incomplete(Exception):
+    """The buffer ends inside the request: wait for more bytes."""
+
+
+class _Reader:
+    """Reads fields from the front of a buffer, checking each declared size
+    against the limits before waiting for the bytes it announces."""
+
+    def __init__(self, view: memoryview, limits: WireLimits) -> None:
+        self.view = view
+        self.limits = limits
+        self.pos = 1  # past the query byte
+
+    def take(self, size: int) -> bytes:
+        if self.pos + size > self.limits.max_request_bytes:
+            raise WireError(f"a request over {self.limits.max_request_bytes} bytes")
+        if self.pos + size > len(self.view):
+            raise _Incomplete
+        self.pos += size
+        return bytes(self.view[self.pos - size:self.pos])  # a copy: no view outlives the parse
+
+    def number(self, codec: struct.Struct) -> int:
+        return codec.unpack(self.take(codec.size))[0]
+
+    def blob(self, limit: int, what: str) -> bytes:
+        size = self.number(_U64)
+        if size > limit:
+            raise WireError(f"a {what} of {size} bytes (at most {limit})")
+        return self.take(size)
+
+    def count(self, codec: struct.Struct) -> int:
+        n = self.number(codec)
+        if not 0 <= n <= self.limits.max_keys_per_request:
+            raise WireError(f"a request naming {n} keys (at most {self.limits.max_keys_per_request})")
+        return n
+
+
+def _read_fields(reader: _Reader, shape: tuple[str, ...]) -> tuple[list[bytes], list[bytes], int]:
+    limits = reader.limits
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    number = 0
+    for field in shape:
+        if field in _NUMBERS:
+            number = reader.number(_NUMBERS[field])
+        elif field == "key":
+            keys.append(reader.blob(limits.max_key_bytes, "key"))
+        elif field == "value":
+            values.append(reader.blob(limits.max_value_bytes, "value"))
+        elif field == "keys":
+            keys += [reader.blob(limits.max_key_bytes, "key") for _ in range(reader.count(_U64))]
+        else:  # "pairs"
+            for _ in range(reader.count(_I64)):
+                keys.append(reader.blob(limits.max_key_bytes, "key"))
+                values.append(reader.blob(limits.max_value_bytes, "value"))
+    return keys, values, number
+
+
+def parse_request(buf: bytes | bytearray | memoryview, limits: WireLimits) -> tuple[Request, int] | None:
+    """The request at the front of ``buf``, if it is all there.
+
+    Args:
+        buf: bytes received on one connection, not yet parsed.
+        limits: what one request may carry.
+
+    Returns:
+        The request and how many bytes of ``buf`` it took; None while
+        ``buf`` ends inside it.
+
+    Raises:
+        WireError: an unknown code, or a size or count over ``limits``,
+            as soon as its header arrives (before its bytes do).
+    """
+    if not buf:
+        return None
+    try:
+        query = Query(buf[0])
+    except ValueError:
+        raise WireError(f"unknown query type {buf[0]}") from None
+    # Released on the way out, so the caller may cut the bytes it parsed
+    # off a bytearray at once.
+    with memoryview(buf) as view:
+        reader = _Reader(view, limits)
+        try:
+            keys, values, number = _read_fields(reader, _SHAPES[query])
+        except _Incomplete:
+            return None
+    return Request(query=query, keys=tuple(keys), values=tuple(values), number=number), reader.pos
+
+
+def encode_request(request: Request) -> bytes:
+    """``request`` as torch's client sends it (the inverse of ``parse_request``).
+
+    Args:
+        request: what to send; it must hold as many keys and values as
+            its query's fields take.
+
+    Returns:
+        The bytes of the request.
+    """
+    out = [bytes([request.query])]
+    keys, values = iter(request.keys), iter(request.values)
+    for field in _SHAPES[request.query]:
+        if field in _NUMBERS:
+            out.append(_NUMBERS[field].pack(request.number))
+        elif field == "key":
+            out.append(blob(next(keys)))
+        elif field == "value":
+            out.append(blob(next(values)))
+        elif field == "keys":
+            out.append(_U64.pack(len(request.keys)) + b"".join(blob(k) for k in request.keys))
+        else:  # "pairs"
+            pairs = zip(request.keys, request.values)
+            out.append(_I64.pack(len(request.keys)) + b"".join(blob(k) + blob(v) for k, v in pairs))
+    return b"".join(out)
+
+
+def blob(data: bytes) -> bytes:
+    """A string or byte vector on the wire: its u64 length, then its bytes.
+
+    Args:
+        data: the bytes.
+
+    Returns:
+        The encoded field.
+    """
+    return _U64.pack(len(data)) + data
+
+
+def i64(value: int) -> bytes:
+    """An int64 on the wire (``ADD``'s, ``GETNUMKEYS``'s and ``DELETE_KEY``'s answers).
+
+    Args:
+        value: the number.
+
+    Returns:
+        Its 8 bytes.
+    """
+    return _I64.pack(value)
+
+
+def wire_key(key: str, limits: WireLimits) -> bytes:
+    """``key`` as torch's client sends it: ``KEY_PREFIX`` + its UTF-8.
+
+    Args:
+        key: a key as torch's caller names it, e.g. ``broadcast_from/0/3``.
+        limits: the longest key allowed.
+
+    Returns:
+        The stored key.
+
+    Raises:
+        TypeError: ``key`` is not a str.
+        ValueError: it is longer than ``limits.max_key_bytes``.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"a store key is a str, got {type(key).__name__}")
+    raw = KEY_PREFIX + key.encode()
+    if len(raw) > limits.max_key_bytes:
+        raise ValueError(f"store key {key[:60]!r} is over {limits.max_key_bytes} bytes")
+    return raw
+
+
+def checked_value(value: bytes, limits: WireLimits) -> bytes:
+    """``value`` as bytes, checked for type and size.
+
+    Args:
+        value: the value.
+        limits: the longest value allowed.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        TypeError: ``value`` is not bytes-like.
+        ValueError: it is longer than ``limits.max_value_bytes``.
+    """
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"a store value is bytes, got {type(value).__name__}")
+    value = bytes(value)
+    if len(value) > limits.max_value_bytes:
+        raise ValueError(f"a store value of {len(value)} bytes is over {limits.max_value_bytes}")
+    return value
