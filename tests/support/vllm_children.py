@@ -1,0 +1,82 @@
+"""Child processes that run torch's and vLLM 0.33.0's own code, in the
+interpreter named by ``JAX_SENDER_VLLM_PYTHON`` (torch CPU, vLLM's pure-Python
+tree: ``.ci/vllm_venv.sh`` builds one). The test process itself never
+imports torch. Tests skip, saying why, when the variable is not set; a
+variable that names a broken interpreter fails them."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+VLLM_PYTHON = "JAX_SENDER_VLLM_PYTHON"
+HERE = Path(__file__).resolve().parent
+
+
+def interpreter() -> str:
+    """The children's interpreter, or a skip naming what to set."""
+    path = os.environ.get(VLLM_PYTHON)
+    if not path:
+        pytest.skip(f"{VLLM_PYTHON} is not set: run .ci/vllm_venv.sh and set it to the "
+                    ".venv-vllm/bin/python it prints to run torch's and vLLM's own code here")
+    assert Path(path).is_file(), f"{VLLM_PYTHON}={path} is not a file"
+    return path
+
+
+class Child:
+    """A child process whose stdout is read as JSON lines by a thread, so
+    every read has a deadline."""
+
+    def __init__(self, script: str, *args: object, stdin: bool = False) -> None:
+        self.proc = subprocess.Popen(
+            [interpreter(), str(HERE / script), *map(str, args)],
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[dict | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def next(self, timeout: float) -> dict:
+        """The next JSON line, within ``timeout`` seconds."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no answer from the child within {timeout} s; "
+                                 f"stderr: {''.join(self.stderr)[-2000:]}") from None
+        assert line is not None, f"the child ended; stderr: {''.join(self.stderr)[-2000:]}"
+        return line
+
+    def call(self, *request: object, timeout: float = 60) -> dict:
+        """Send a JSON line to the child's stdin; its answer."""
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self.next(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` until true, failing with ``what`` past ``timeout``."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
