@@ -242,6 +242,20 @@ class DeviceMemory:
             self._finalizer = weakref.finalize(self, _free_memory, device, self.ptr)
             _check(_driver().cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
 
+    def read(self) -> bytes:
+        """The buffer's bytes, copied to the host (every write to it must be done).
+
+        Returns:
+            ``nbytes`` bytes.
+
+        Raises:
+            CudaError: the copy failed.
+        """
+        out = bytearray(self.nbytes)
+        with on_device(self.device):
+            _check(_driver().cuMemcpyDtoH(out, self.ptr, self.nbytes), "cuMemcpyDtoH")
+        return bytes(out)
+
     def free(self) -> None:
         self._finalizer()
         self.ptr = 0

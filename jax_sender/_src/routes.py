@@ -2,9 +2,10 @@
 
 ``SingleProcess``: one trainer process sends every tensor. ``ProcessGroup``:
 several processes of one JAX job, each parameter sent by its first owner
-(see ``group.py``). A route forms the transfer group and plans who
-broadcasts what; what differs between the two is a route's, never a
-``None`` check in the sender.
+(see ``group.py``). ``M2NRoute``: every trainer process sends its own
+blocks, resharded by NCCL M2N (see ``m2n_sender.py``). A route forms the
+transfer group and plans who sends what; what differs between them is a
+route's, never a ``None`` check in the sender.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import jax
 
 from nccl_cffi import CudaError
 from uniqueid import NCCL_JOIN, Connection, Joiner, VLLMClient, connect
+from uniqueid.m2n import M2N_JOIN, M2NConnection, M2NJoiner, connect_m2n, join_m2n
+from uniqueid.m2n_agreement import M2NWireParam
 
 from .config import SendConfig
 from .errors import MetadataError, TransferError
-from .group import TrainerGroup
+from .group import Share, TrainerGroup
 from .plan import TensorMeta
 from .turns import BroadcastPlan, broadcast_plan, owners_of
 
@@ -139,4 +142,42 @@ class ProcessGroup:
         return plan
 
 
-Route = SingleProcess | ProcessGroup
+@dataclass(kw_only=True)
+class M2NRoute:
+    """This process's rank in an M2N group: process ``p`` of ``processes``
+    is trainer rank ``p``; process 0 talks to the server."""
+
+    clients: list[VLLMClient]  # the server, on process 0; empty elsewhere
+    device: int
+    config: SendConfig
+    params: list[M2NWireParam]  # the plan, identical on every process
+    process: int
+    processes: int
+    share: Share
+    store_host: str | None = None
+    max_cta: int | None = None
+    joiner: M2NJoiner = M2N_JOIN  # the data plane's side of the join (tests pass their own)
+    group: None = None
+
+    @property
+    def rank(self) -> int:
+        return self.process
+
+    @property
+    def alone(self) -> bool:
+        """One trainer process: a push may run in the background."""
+        return self.processes == 1
+
+    def form(self, timeout_s: float) -> M2NConnection:
+        """Form the group (process 0) or join it, within ``timeout_s``."""
+        share = None if self.alone else self.share
+        if self.process == 0:
+            return connect_m2n(self.clients[0], self.params, device=self.device,
+                               timeout=timeout_s, trainer_ranks=self.processes, share=share,
+                               store_host=self.store_host, max_cta=self.max_cta,
+                               joiner=self.joiner)
+        return join_m2n(self.params, rank=self.process, device=self.device, timeout=timeout_s,
+                        share=self.share, joiner=self.joiner)
+
+
+Route = SingleProcess | ProcessGroup | M2NRoute

@@ -48,6 +48,48 @@ def _only_process_0_waits(process: int, wait, error: type[Exception], label: str
         print(f"OK {label}: process 1 stayed out")
 
 
+def _m2n_blocks(process: int, devices: list) -> None:
+    """Every M2N source layout a two-process mesh gives, and each process's
+    block (assembled from its two devices) equal to its slice of the value."""
+    from jax_sender import Mapping, MetadataError
+    from jax_sender._src.describe import describe
+    from jax_sender._src.m2n_layout import local_block, process_boxes, source_layout
+    from jax_sender._src.m2n_sender import plan_tensors
+    flat = Mesh(np.array(devices), ("d",))
+    grid = Mesh(np.array(devices).reshape(2, 2), ("p", "l"))  # a row per process
+    cases = {  # name: (mesh, spec, shape, (mesh dims, placements) expected)
+        "rows": (flat, PartitionSpec("d"), (8, 6), ((2, 1), (0, -1))),
+        "columns": (flat, PartitionSpec(None, "d"), (8, 8), ((2, 1), (1, -1))),
+        "replicated": (flat, PartitionSpec(), (8, 6), ((2, 1), None)),
+        "local only": (grid, PartitionSpec("l"), (8, 6), ((2, 1), None)),
+        "per process": (grid, PartitionSpec("p"), (8, 6), ((2, 1), (0, -1))),
+    }
+    mine = [d for d in devices if d.process_index == process][0]
+    for name, (mesh, spec, shape, want) in cases.items():
+        value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), value.__getitem__)
+        boxes = process_boxes(name, x, 2)
+        layout = source_layout(name, shape, boxes)
+        assert (layout.mesh, layout.placements) == want, (name, layout)
+        block = np.asarray(local_block(x, boxes[process], mine))
+        assert np.array_equal(block, value[tuple(slice(a, b) for a, b in boxes[process])]), name
+        assert block.shape == layout.local_shape, (name, block.shape)
+    strided = jax.make_array_from_callback(
+        (8, 6), NamedSharding(grid, PartitionSpec(("l", "p"))), lambda i: np.zeros((8, 6))[i])
+    try:
+        process_boxes("strided", strided, 2)
+    except MetadataError as e:
+        assert "do not form one box" in str(e), e
+    else:
+        raise AssertionError("a process holding two apart slices was accepted")
+    x = jax.make_array_from_callback((8, 6), NamedSharding(flat, PartitionSpec("d")),
+                                     lambda i: np.ones((8, 6), np.float32)[i])
+    metas, sources = describe({"w": x}, Mapping(transform=lambda path, a: a.T))
+    (t,) = plan_tensors(metas, sources, Mapping(transform=lambda path, a: a.T), 2, process)
+    assert (t.meta.shape, t.layout.placements) == ((6, 8), (1, -1)), t
+    print(f"OK m2n: process {process}, {len(cases)} layouts and the transpose's")
+
+
 def main(scenario: str, process: int, port: str) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -127,6 +169,8 @@ def main(scenario: str, process: int, port: str) -> None:
         arr = _global("fsdp.a", devices)
         _only_process_0_waits(process, lambda: ready(gather(arr), 3, "the gather of fsdp.a"),
                               GatherTimeout, "absent")
+    elif scenario == "m2n":
+        _m2n_blocks(process, devices)
     else:
         raise ValueError(scenario)
     sys.stdout.flush()
