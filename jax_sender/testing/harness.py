@@ -238,22 +238,32 @@ class VLLMServer:
     """``with VLLMServer("1", output=..., requests=...) as url: ...``: vLLM's
     weight-sync routes over its real NCCL engine (``.vllm/server.py --nccl``)
     on one GPU; with ``sparse=True``, over its ``sparse_nccl`` engine
-    (``vllm_sparse.py``). ``output`` gets its stdout and stderr, ``requests``
-    one JSON line per request."""
+    (``vllm_sparse.py``); with ``m2n=True``, over its ``nccl_m2n`` engine in
+    one tensor-parallel worker per GPU of ``gpu`` ("1,2": ``vllm_m2n.py``).
+    ``output`` gets its stdout and stderr, ``requests`` one JSON line per
+    request; ``env`` adds to the server's environment."""
 
     def __init__(self, gpu: str, *, output: pathlib.Path, requests: pathlib.Path,
-                 sparse: bool = False, tree: pathlib.Path = VLLM_TREE,
-                 start_timeout: float = 180.0):
+                 sparse: bool = False, m2n: bool = False, tree: pathlib.Path = VLLM_TREE,
+                 start_timeout: float = 180.0, env: dict[str, str] | None = None):
         self.gpu, self.output, self.requests = gpu, output, requests
-        self.sparse, self.tree, self.start_timeout = sparse, tree, start_timeout
+        self.extra_env = env or {}
+        self.sparse, self.m2n, self.tree, self.start_timeout = sparse, m2n, tree, start_timeout
         self.proc: subprocess.Popen | None = None
+
+    def _command(self) -> list[str]:
+        if self.m2n:  # one tensor-parallel worker per GPU in ``gpu`` ("1,2")
+            return [sys.executable, "-m", "jax_sender.testing.vllm_m2n", str(self.tree),
+                    "--gpus", self.gpu]
+        if self.sparse:
+            return [sys.executable, "-m", "jax_sender.testing.vllm_sparse", str(self.tree)]
+        return [sys.executable, str(self.tree / "server.py"), "--nccl"]
 
     def __enter__(self) -> str:
         import httpx
         port = free_port()
-        env = gpu_env(self.gpu)
-        cmd = ([sys.executable, "-m", "jax_sender.testing.vllm_sparse", str(self.tree)] if self.sparse
-               else [sys.executable, str(self.tree / "server.py"), "--nccl"])
+        env = {**(child_env() if self.m2n else gpu_env(self.gpu)), **self.extra_env}
+        cmd = self._command()
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(
                 cmd + ["--port", str(port), "--log", str(self.requests)], env=env,

@@ -405,7 +405,7 @@ def main() -> None:
                     "MODULE.install(ARGUMENT) first (a stand-in data plane for CPU tests)")
     args = ap.parse_args()
     gpus = args.gpus.split(",")
-    _load_vllm(args.tree, cpu=True)  # the routes need no GPU in this process
+    _load_vllm(args.tree, cpu=args.cpu)  # the routes: no GPU used in this process
     opts = {"tree": args.tree, "cpu": args.cpu, "plane": args.plane}
     envs = [dict(os.environ) for _ in gpus] if args.cpu else _worker_envs(gpus)
     workers = _Workers(len(gpus), opts, envs)

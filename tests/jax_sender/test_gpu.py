@@ -211,6 +211,28 @@ def test_sparse_into_vllms_sparse_engine(tmp_path):
         print("vLLM server output:", redact(log.with_suffix(".out").read_text()[-4000:]))
 
 
+def test_m2n_into_vllms_m2n_engine(tmp_path):
+    """vLLM 0.33.0's ``M2NWeightTransferEngine`` in two tensor-parallel workers
+    (``vllm_m2n.py``), over NCCL >= 2.30.5 (``JAX_SENDER_M2N_NCCL``: its
+    libnccl.so.2) with nccl-extensions on the path."""
+    import os
+    nccl = os.environ.get("JAX_SENDER_M2N_NCCL")
+    if not nccl or not vllm_available():
+        pytest.skip("needs JAX_SENDER_M2N_NCCL (a libnccl.so.2 >= 2.30.5) and vLLM's tree")
+    log = tmp_path / "requests.jsonl"
+    try:
+        with VLLMServer("1,2", output=log.with_suffix(".out"), requests=log, m2n=True,
+                        env={"NCCL_LIBRARY": nccl}) as url:
+            argv, env = child("gpu_scenarios", "m2n", url, env=dict(gpu_env("0"),
+                                                                    NCCL_LIBRARY=nccl))
+            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=400,
+                                 cwd=ROOT)
+            print(out.stdout[-3000:], out.stderr[-3000:])
+            assert out.returncode == 0 and "OK m2n" in out.stdout
+    finally:
+        print("vLLM server output:", redact(log.with_suffix(".out").read_text()[-4000:]))
+
+
 # -- the server outlives the trainer's mistakes (vLLM 0.33.0's real engine) ----
 
 RECOVERY = ["wrong_device", "bad_version", "transform packed", "transform unpacked",

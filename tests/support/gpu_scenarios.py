@@ -659,6 +659,59 @@ def recovery(url: str, case: str, *args: str) -> None:
     print(f"OK {case}: {what}{fresh}")
 
 
+def _m2n_tree(seed: int) -> dict:
+    """``vllm_m2n``'s toy model as JAX arrays on this GPU."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from jax_sender.testing.vllm_m2n import TOY
+    rng = np.random.default_rng(seed)
+    return {name: jnp.asarray(rng.standard_normal(shape).astype(np.float32).astype(
+        ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)) for name, shape, dtype, _ in TOY}
+
+
+def m2n(url: str) -> None:
+    """Into vLLM's real ``nccl_m2n`` engine (two TP workers): refusals before
+    any server call; the real rendezvous (store, agreements, NCCL init, the
+    destination plan broadcast by the first worker); a push, exact by vLLM's
+    digests, or, where every rank shares one GPU as its own NCCL host, the
+    library's refusal (M2N needs NVLink peers or GPU-initiated networking)
+    ending within its deadline; and the same server taking a fresh group."""
+    from jax_sender import M2NSender, MetadataError, SendConfig, SendError, TransferError
+    from jax_sender.testing.vllm_m2n import EXPECTED_DESTINATIONS
+    params = _m2n_tree(1)
+    try:
+        M2NSender.connect(url, params, device=7)
+    except TransferError as e:
+        assert "\n" not in str(e), e
+    else:
+        raise AssertionError("device 7 was accepted")
+    config = SendConfig(init_timeout_s=120, send_timeout_s=30)
+    sender = M2NSender.connect(url, params, config=config)
+    conn = sender.session.connection
+    got = dict(zip((p.name for p in conn.init_info.params), conn.destinations))
+    assert got == EXPECTED_DESTINATIONS, got
+    try:
+        sender.send(params, pause="bogus")
+    except MetadataError:
+        pass
+    t = time.monotonic()
+    try:
+        sender.send(params)
+        check = sender.verify(params)
+        assert check.ok and len(check.matched) == len(params), check
+        pushed = f"push bit-exact by vLLM's digests ({len(params)} tensors)"
+    except SendError as e:
+        shared = bool(os.environ.get("JAX_SENDER_SHARE_GPUS"))
+        assert shared, f"the push failed without shared GPUs: {e}"
+        pushed = f"push refused on a shared GPU in {time.monotonic() - t:.1f}s: {e}"
+    sender.close()
+    again = M2NSender.connect(url, _m2n_tree(2), config=config)
+    again.close()
+    print(f"OK m2n: destinations {got}; {pushed}; the server took a fresh group")
+
+
 def load_plan(url: str) -> None:
     """use_load_plan: subsets go through bit-exact; anything else is refused by
     the sender before any HTTP call, and by the worker before any collective."""

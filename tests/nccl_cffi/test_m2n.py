@@ -1,0 +1,70 @@
+"""The NCCL M2N binding on CPU: what it refuses before any library call
+(each in one sentence, in a fresh process: the library loads once per
+process), and the descriptors it hands ``ncclReshard``."""
+
+import subprocess
+import sys
+
+from nccl_cffi._ffi import ffi
+from nccl_cffi.m2n import API_VERSION, REPLICATE, DistTensor
+
+from support import ROOT, on_tests_path
+
+
+def _load_in_child(env: dict, prelude: str = "") -> str:
+    code = prelude + (
+        "from nccl_cffi import m2n\n"
+        "try:\n"
+        "    m2n.load_m2n()\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, '|', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=on_tests_path(env))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_no_libnccl_m2n_names_the_package_to_install(tmp_path):
+    import os
+    out = _load_in_child(dict(os.environ, NCCL_M2N_LIBRARY=str(tmp_path / "libnccl_m2n.so")))
+    assert out.startswith("NcclLibraryNotFound | no libnccl_m2n found"), out
+    assert "pip install 'nccl-extensions[cu13]'" in out and "\n" not in out
+
+
+def test_a_file_that_does_not_load_is_refused_in_one_sentence(tmp_path):
+    import os
+    bogus = tmp_path / "libnccl_m2n.so"
+    bogus.write_bytes(b"not a library")
+    out = _load_in_child(dict(os.environ, NCCL_M2N_LIBRARY=str(bogus)))
+    assert out.startswith("NcclLibraryNotFound | libnccl_m2n at") and "did not load" in out, out
+    assert "\n" not in out
+
+
+def test_an_nccl_older_than_2_30_5_is_refused_with_the_fix():
+    import os
+    prelude = ("import nccl_cffi.m2n as m, nccl_cffi.library as lib\n"
+               "real = lib.library_info()\n"
+               "m.library_info = lambda: lib.LibraryInfo(real.path, real.source, (2, 28, 9), 22809)\n")
+    out = _load_in_child(dict(os.environ), prelude)
+    assert out.startswith("NcclLibraryNotFound | NCCL M2N needs NCCL >= 2.30.5"), out
+    assert "pip install 'nvidia-nccl-cu13>=2.30.5'" in out and "2.28.9" in out
+
+
+def test_a_descriptor_is_the_c_struct_m2n_reads():
+    d = DistTensor(ptr=0xABC0, local_shape=(4, 6, 2), dtype=9, mesh=(2, 3), start_rank=5,
+                   placements=(REPLICATE, 1))
+    desc, keep = d.to_c()
+    assert desc.size == ffi.sizeof("ncclDistTensor_t") and desc.version == API_VERSION
+    assert int(ffi.cast("uintptr_t", desc.dataPtr)) == 0xABC0
+    assert [desc.localShape[i] for i in range(desc.ndims)] == [4, 6, 2]
+    assert desc.dtype == 9 and [desc.placements[i] for i in range(2)] == [REPLICATE, 1]
+    mesh = desc.mesh
+    assert mesh.size == ffi.sizeof("ncclMesh_t") and mesh.ndims == 2 and mesh.startRank == 5
+    assert [mesh.dims[0], mesh.dims[1]] == [2, 3]
+    assert keep  # the arrays the struct points into stay alive with it
+
+
+def test_a_side_off_its_mesh_passes_a_null_pointer():
+    desc, _ = DistTensor(ptr=0, local_shape=(8,), dtype=7, mesh=(1, 1), start_rank=0,
+                         placements=(REPLICATE, 0)).to_c()
+    assert desc.dataPtr == ffi.NULL
