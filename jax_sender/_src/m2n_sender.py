@@ -33,15 +33,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from nccl_cffi import NCCL_TYPES, poll_until
+from nccl_cffi import NCCL_TYPES, Deadline, poll_until
 from nccl_cffi.m2n import DistTensor
-from uniqueid import as_clients
+from uniqueid import RendezvousError, as_clients
 from uniqueid.m2n_agreement import REPLICATE, M2NWireParam
 from uniqueid.m2n_wire import local_shape
 
 from .config import SendConfig
 from .describe import Descriptions, Sources, readiness
-from .errors import MetadataError, TransferError
+from .errors import MetadataError, SendError, TransferError
 from .group import Share, share_from_process_0
 from .m2n_layout import Box, SourceLayout, check_tensor, local_block, process_boxes, source_layout
 from .naming import Mapping, identity
@@ -244,7 +244,46 @@ class M2NSender:
             push = self._prepared(get, readiness(sources) if wait and arrays else None)
             push.weight_version, push.pause = weight_version, pause
             push.stats.prepare_s = time.perf_counter() - t0
-            return self.session.run(ticket, push, background=not wait, t0=t0)
+            if self.session.route.alone:
+                return self.session.run(ticket, push, background=not wait, t0=t0)
+            try:
+                stats = self.session.run(ticket, push, background=False, t0=t0)
+            except BaseException as e:
+                self._round_outcome(e, push.bound_s)
+                raise
+            self._round_outcome(None, push.bound_s)
+            return stats
+
+    def _round_outcome(self, failure: BaseException | None, bound_s: float) -> None:
+        """vLLM's M2N trainer's last step of a round with several trainer
+        ranks: process 0, the only one that saw the server finish, tells the
+        others whether it did (each acknowledges), so every process's
+        ``send`` ends the same way.
+
+        Raises:
+            SendError: process 0's push failed (on the other processes), or
+                the outcome did not arrive within the push's deadlines.
+        """
+        conn, deadline = self.session.connection, Deadline(bound_s)
+        group, rank = conn.group, self.session.route.rank
+        try:
+            if rank == 0:
+                said = {"ok": failure is None,
+                        "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+                for r in range(1, self.session.route.processes):
+                    group.send_obj(said, r, deadline)
+                for r in range(1, self.session.route.processes):
+                    group.recv_obj(r, deadline, what="round-outcome acknowledgement")
+                return
+            said = group.recv_obj(0, deadline, what="round outcome")
+            group.send_obj({"phase": "round_outcome_consumed"}, 0, deadline)
+        except RendezvousError as e:
+            if failure is None:
+                raise SendError(f"the push's outcome was not shared among the trainer processes: "
+                                f"{e}") from e
+            return
+        if failure is None and not said.get("ok"):
+            raise SendError(f"the push failed on trainer process 0: {said.get('error')}")
 
     def _check_plan(self, metas: list[TensorMeta], sources: Sources) -> None:
         """Refuse a push the workers would not take: the plan is fixed at init."""

@@ -174,11 +174,21 @@ def test_two_trainer_ranks_each_send_their_block(server):
         th.join(120)
     assert set(made) == {0, 1}, "a trainer rank did not join"
     assert made[1].session.connection.destinations == made[0].session.connection.destinations
-    pushes = [threading.Thread(target=made[p].send, args=(params,)) for p in (0, 1)]
+    results = {}
+
+    def push(p):
+        try:
+            results[p] = made[p].send(params)
+        except BaseException as e:  # reported below
+            results[p] = e
+
+    pushes = [threading.Thread(target=push, args=(p,)) for p in (0, 1)]
     for th in pushes:
         th.start()
     for th in pushes:
         th.join(120)
+    # both ended the same way: process 0 told process 1 the server finished
+    assert all(not isinstance(r, BaseException) for r in results.values()), results
     assert made[0].verify(params).ok
     sources = {d["rank"] for d in fabric.reshards[-2 * len(TOY):]}
     assert sources == {0, 1}
