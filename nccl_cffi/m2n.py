@@ -15,7 +15,8 @@ the soname ``libnccl.so.2``, so the libnccl this package chose is loaded
 first and the binding is checked afterwards (a process with a second
 libnccl in its global scope would bind M2N to that one). And it is
 "process-wide single-thread": every call into it, on any communicator, is
-made under one lock.
+made under one lock, waited for within a deadline (a reshard into a peer
+that is gone may never return, and holds the library for good).
 
 Raw layer: integers (device pointers, stream handles, dtype codes,
 placement codes) and ``DistTensor`` descriptors; ``Handle`` is the small
@@ -24,18 +25,20 @@ core over it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from ._ffi import ffi
-from .errors import NcclLibraryNotFound
+from .errors import NcclLibraryNotFound, NcclTimeoutError
 from .library import library_info, load_library
 from .results import SUCCESS, make_error
 
@@ -50,6 +53,8 @@ _ENV_VAR = "NCCL_M2N_LIBRARY"
 _INSTALL = "pip install 'nccl-extensions[cu13]'"
 
 _native = threading.RLock()  # the library is process-wide single-thread
+# How long a call waits for the library while another thread is inside it.
+NATIVE_WAIT_S = 60.0
 _lock = threading.Lock()
 _lib: Any = None
 _path = ""
@@ -223,6 +228,22 @@ def _check(rc: int, call: str) -> None:
         raise err
 
 
+@contextlib.contextmanager
+def _inside(call: str) -> Iterator[None]:
+    """The library to this thread alone, waited for within ``NATIVE_WAIT_S``:
+    a call another thread made and that never returned (a reshard into a
+    peer that is gone) holds it for good, and later calls must not wait for ever."""
+    if not _native.acquire(timeout=NATIVE_WAIT_S):
+        raise NcclTimeoutError(
+            f"{call} waited {NATIVE_WAIT_S:.0f}s for libnccl_m2n, which another call of this "
+            "process is still inside (an earlier reshard that did not return): NCCL M2N runs "
+            "one call at a time per process, so restart this process to use it again")
+    try:
+        yield
+    finally:
+        _native.release()
+
+
 @cache
 def _config_size() -> int:
     return ffi.sizeof("ncclM2nConfig_t")
@@ -240,6 +261,7 @@ def init(max_cta: int | None = None) -> Any:
 
     Raises:
         NcclLibraryNotFound: as ``load_m2n``.
+        NcclTimeoutError: another call is stuck inside the library.
         NcclError: the library refused.
     """
     lib = load_m2n()
@@ -247,7 +269,7 @@ def init(max_cta: int | None = None) -> Any:
                                             "version": API_VERSION,
                                             "maxCta": _UNDEF_INT if max_cta is None else max_cta})
     out = ffi.new("ncclM2nHandle_t *")
-    with _native:
+    with _inside("ncclM2nInit"):
         _check(lib.ncclM2nInit(out, config), "ncclM2nInit")
     return out[0]
 
@@ -259,9 +281,10 @@ def finalize(handle: Any) -> None:
         handle: from ``init``.
 
     Raises:
+        NcclTimeoutError: another call is stuck inside the library.
         NcclError: the library refused.
     """
-    with _native:
+    with _inside("ncclM2nFinalize"):
         _check(load_m2n().ncclM2nFinalize(handle), "ncclM2nFinalize")
 
 
@@ -280,11 +303,12 @@ def reshard(handle: Any, comm: Any, src: DistTensor, dst: DistTensor, stream: in
         stream: the ``CUstream`` handle.
 
     Raises:
+        NcclTimeoutError: another call is stuck inside the library.
         NcclError: the library refused the descriptors, or NCCL failed.
     """
     s, keep_s = src.to_c()
     d, keep_d = dst.to_c()
-    with _native:
+    with _inside("ncclReshard"):
         rc = load_m2n().ncclReshard(handle, comm, s, d, ffi.cast("cudaStream_t", stream))
         _check(rc, "ncclReshard")
     del keep_s, keep_d

@@ -77,6 +77,11 @@ class Resharder:
         self.host_s = 0.0
         self.link_s = 0.0
         self.link_bytes = 0
+        plane.idle = self.idle  # the handle is released only once no reshard runs
+
+    def idle(self) -> bool:
+        """Whether every reshard enqueued has finished on the GPU."""
+        return all(event.done() for event, _, _ in self._inflight)
 
     def close(self) -> None:
         """Destroy the stream and events and give the scratch bytes back to XLA."""

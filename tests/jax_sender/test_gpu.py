@@ -223,12 +223,13 @@ def test_m2n_into_vllms_m2n_engine(tmp_path):
     try:
         with VLLMServer("1,2", output=log.with_suffix(".out"), requests=log, m2n=True,
                         env={"NCCL_LIBRARY": nccl}) as url:
-            argv, env = child("gpu_scenarios", "m2n", url, env=dict(gpu_env("0"),
-                                                                    NCCL_LIBRARY=nccl))
-            out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=400,
-                                 cwd=ROOT)
-            print(out.stdout[-3000:], out.stderr[-3000:])
-            assert out.returncode == 0 and "OK m2n" in out.stdout
+            for seed in ("1", "2"):  # a second trainer process into the same server
+                argv, env = child("gpu_scenarios", "m2n", url, seed,
+                                  env=dict(gpu_env("0"), NCCL_LIBRARY=nccl))
+                out = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                     timeout=300, cwd=ROOT)
+                print(out.stdout[-3000:], out.stderr[-3000:])
+                assert out.returncode == 0 and "OK m2n" in out.stdout
     finally:
         print("vLLM server output:", redact(log.with_suffix(".out").read_text()[-4000:]))
 

@@ -5,6 +5,8 @@ process), and the descriptors it hands ``ncclReshard``."""
 import subprocess
 import sys
 
+import pytest
+
 from nccl_cffi._ffi import ffi
 from nccl_cffi.m2n import API_VERSION, REPLICATE, DistTensor
 
@@ -68,3 +70,32 @@ def test_a_side_off_its_mesh_passes_a_null_pointer():
     desc, _ = DistTensor(ptr=0, local_shape=(8,), dtype=7, mesh=(1, 1), start_rank=0,
                          placements=(REPLICATE, 0)).to_c()
     assert desc.dataPtr == ffi.NULL
+
+
+def test_a_call_stuck_inside_the_library_does_not_hold_the_next_for_ever(monkeypatch):
+    """The library is single-threaded per process: a reshard that never
+    returns (a peer gone) holds it, and the next call ends by its deadline,
+    naming the cure, instead of waiting with it."""
+    import threading
+
+    from nccl_cffi import NcclTimeoutError, m2n
+    monkeypatch.setattr(m2n, "NATIVE_WAIT_S", 0.5)
+    inside, leave = threading.Event(), threading.Event()
+
+    def stuck():
+        with m2n._inside("ncclReshard"):
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=stuck, daemon=True)
+    t.start()
+    inside.wait(5)
+    try:
+        with pytest.raises(NcclTimeoutError, match="restart this process"):
+            with m2n._inside("ncclM2nInit"):
+                pass
+    finally:
+        leave.set()
+        t.join(5)
+    with m2n._inside("ncclM2nInit"):  # free again once the stuck call returned
+        pass

@@ -671,24 +671,25 @@ def _m2n_tree(seed: int) -> dict:
         ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)) for name, shape, dtype, _ in TOY}
 
 
-def m2n(url: str) -> None:
+def m2n(url: str, seed: str) -> None:
     """Into vLLM's real ``nccl_m2n`` engine (two TP workers): refusals before
     any server call; the real rendezvous (store, agreements, NCCL init, the
     destination plan broadcast by the first worker); a push, exact by vLLM's
     digests, or, where every rank shares one GPU as its own NCCL host, the
     library's refusal (M2N needs NVLink peers or GPU-initiated networking)
-    ending within its deadline; and the same server taking a fresh group."""
+    ending within its deadline; then the server released for the next
+    trainer process (the test runs this twice, one process after the other)."""
     from jax_sender import M2NSender, MetadataError, SendConfig, SendError, TransferError
     from jax_sender.testing.vllm_m2n import EXPECTED_DESTINATIONS
-    params = _m2n_tree(1)
+    params = _m2n_tree(int(seed))
     try:
         M2NSender.connect(url, params, device=7)
     except TransferError as e:
         assert "\n" not in str(e), e
     else:
         raise AssertionError("device 7 was accepted")
-    config = SendConfig(init_timeout_s=120, send_timeout_s=30)
-    sender = M2NSender.connect(url, params, config=config)
+    sender = M2NSender.connect(url, params, config=SendConfig(init_timeout_s=120,
+                                                              send_timeout_s=30))
     conn = sender.session.connection
     got = dict(zip((p.name for p in conn.init_info.params), conn.destinations))
     assert got == EXPECTED_DESTINATIONS, got
@@ -696,6 +697,8 @@ def m2n(url: str) -> None:
         sender.send(params, pause="bogus")
     except MetadataError:
         pass
+    else:
+        raise AssertionError("pause='bogus' was accepted")
     t = time.monotonic()
     try:
         sender.send(params)
@@ -703,13 +706,12 @@ def m2n(url: str) -> None:
         assert check.ok and len(check.matched) == len(params), check
         pushed = f"push bit-exact by vLLM's digests ({len(params)} tensors)"
     except SendError as e:
-        shared = bool(os.environ.get("JAX_SENDER_SHARE_GPUS"))
-        assert shared, f"the push failed without shared GPUs: {e}"
+        assert os.environ.get("JAX_SENDER_SHARE_GPUS"), f"the push failed without shared GPUs: {e}"
         pushed = f"push refused on a shared GPU in {time.monotonic() - t:.1f}s: {e}"
     sender.close()
-    again = M2NSender.connect(url, _m2n_tree(2), config=config)
-    again.close()
-    print(f"OK m2n: destinations {got}; {pushed}; the server took a fresh group")
+    print(f"OK m2n: destinations {got}; {pushed}; the server released")
+    sys.stdout.flush()
+    os._exit(0)  # a reshard abandoned inside the library must not hold the exit
 
 
 def load_plan(url: str) -> None:
