@@ -41,7 +41,7 @@ import httpx
 
 from nccl_cffi.waiting import Deadline
 
-from .codec import redact
+from .codec import redact, redacted_head
 from .errors import RendezvousError
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -51,18 +51,26 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 # The most of a server's text an error message quotes (after redaction).
 _QUOTE_CHARS = 1000
+# The most of an error body parsed as JSON: vLLM's are small objects. A larger
+# one is kept as the redacted start of its text, since parsing or redacting
+# all of a 16 MiB body would cost seconds and gigabytes past the deadline.
+_ERROR_BODY_BYTES = 64 * 2**10
 _NOT_VLLM = ("vLLM answers every route with a JSON object, so check that the URL is the vLLM "
              "server itself (not a proxy, a login page or another service)")
 
 
-def _quote(text: str) -> str:
-    """``text`` redacted, on one line, cut to ``_QUOTE_CHARS``."""
-    text = " ".join(redact(text).split())
+def _quote(text: str | bytes | bytearray) -> str:
+    """``text`` (bytes: UTF-8) redacted, on one line, cut to ``_QUOTE_CHARS``;
+    only its start is read."""
+    text = " ".join(redacted_head(text, 4 * _QUOTE_CHARS).split())
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
 
 
-def _redacted_json(raw: bytes) -> Any:
-    """An error body, redacted as text first: parsed JSON, else the text."""
+def _redacted_json(raw: bytes | bytearray) -> Any:
+    """An error body, redacted as text first: parsed JSON, else the text (its
+    redacted start, past ``_ERROR_BODY_BYTES``)."""
+    if len(raw) > _ERROR_BODY_BYTES:
+        return redacted_head(raw, _ERROR_BODY_BYTES) + f"... ({len(raw)} bytes in all)"
     text = redact(raw.decode("utf-8", "replace"))
     try:
         return jsonlib.loads(text)
@@ -378,7 +386,7 @@ class VLLMClient:
                 connection.close()
 
     def _exchange(self, method: str, url: str, json: Any, seconds: float, where: str,
-                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """Send, and read the status, headers and bounded raw body."""
         headers, content = list(self._headers), None
         if json is not None:
@@ -414,14 +422,15 @@ class VLLMClient:
                 f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
                 "check the URL and that the server is up", route) from None
 
-    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytes:
-        """The raw body, refused past ``max_body_bytes``."""
+    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytearray:
+        """The raw body, refused past ``max_body_bytes`` (not copied: it may be
+        as large as that)."""
         body = bytearray()
         for chunk in resp.iter_stream():
             body += chunk
             if len(body) > self.max_body_bytes:
                 raise self._too_big(where, route, resp.status, "as sent")
-        return bytes(body)
+        return body
 
     def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
         return VLLMProtocolError(
@@ -429,8 +438,8 @@ class VLLMClient:
             f"({how}); vLLM's answers are small JSON objects, so check the URL (or raise "
             "max_body_bytes if this server's answers are that large)", route)
 
-    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes,
-                 where: str, route: str) -> bytes:
+    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray,
+                 where: str, route: str) -> bytes | bytearray:
         """The body decoded per its Content-Encoding, bounded like the raw body."""
         encoding = _header(headers, b"content-encoding").lower()
         if encoding in ("", "identity"):
@@ -451,7 +460,7 @@ class VLLMClient:
                                     f"{_NOT_VLLM}", route)
         return out
 
-    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, where: str,
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray, where: str,
                 route: str) -> Any:
         """The decoded JSON object of a final answer, or the error it stands for."""
         raw = self._inflate(status, headers, raw, where, route)
@@ -467,7 +476,7 @@ class VLLMClient:
             answer = None
         if not isinstance(answer, dict):
             raise VLLMProtocolError(
-                f"{where} answered HTTP {status} with {_quote(raw.decode('utf-8', 'replace'))!r}, "
+                f"{where} answered HTTP {status} with {_quote(raw)!r}, "
                 f"not a JSON object; {_NOT_VLLM}", route)
         return answer
 
