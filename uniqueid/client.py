@@ -27,22 +27,22 @@ its own name.
 from __future__ import annotations
 
 import json as jsonlib
-import math
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import httpcore
 import httpx
 
-from nccl_cffi.waiting import Deadline
+from nccl_cffi.waiting import Deadline, check_timeout
 
 from .codec import redact, redacted_head
 from .errors import RendezvousError
+from .url import check_base_url
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 60.0
@@ -150,10 +150,9 @@ class VLLMProtocolError(RendezvousError):
 
 
 def _seconds(name: str, value: Any) -> float:
-    """``value`` as a timeout: a positive finite number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    """``value`` as a timeout: seconds above 0, at most ``MAX_TIMEOUT_S`` (past
+    about 9.2e9 s a socket's timeout overflows)."""
+    check_timeout(name, value)
     return float(value)
 
 
@@ -289,18 +288,16 @@ class VLLMClient:
         max_body_bytes: the largest answer read, as sent and once inflated.
 
     Raises:
-        ValueError: a timeout that is not a positive finite number, a
-            ``max_body_bytes`` below 1, or a URL that is not http(s).
+        ValueError: a timeout that is not a number of seconds above 0 and at
+            most ``MAX_TIMEOUT_S`` (1e9), a ``max_body_bytes`` below 1, or a
+            URL ``url.check_base_url`` refuses (one sentence, no password).
     """
 
     def __init__(self, base_url: str, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  timeout: float = DEFAULT_TIMEOUT, transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
                  api_key: str | None = None, headers: dict[str, str] | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.base_url = base_url.rstrip("/")
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"base_url must be http://HOST:PORT or https://..., got {base_url!r}")
+        self.base_url = check_base_url(base_url)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.timeout = _seconds("timeout", timeout)
         self.transfer_timeout = _seconds("transfer_timeout", transfer_timeout)
@@ -356,7 +353,8 @@ class VLLMClient:
             The decoded JSON object.
 
         Raises:
-            ValueError: ``timeout`` is not a positive finite number.
+            ValueError: ``timeout`` is not a number of seconds above 0 and at
+                most ``MAX_TIMEOUT_S``.
             RuntimeError: the client is closed.
             VLLMHTTPError: the server answered 400 or more.
             VLLMTimeout: the call did not complete by its deadline.

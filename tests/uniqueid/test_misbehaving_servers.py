@@ -382,7 +382,7 @@ def test_close_twice_and_calls_after_close():
             client.get_world_size()
 
 
-BAD_SECONDS = [None, math.inf, math.nan, 0, -1.0, True, "5"]
+BAD_SECONDS = [None, math.inf, math.nan, 0, -1.0, True, "5", 1e10]
 
 
 @pytest.mark.parametrize("name", ["connect_timeout", "timeout", "transfer_timeout"])
@@ -402,11 +402,28 @@ def test_a_per_call_timeout_must_be_positive_and_finite(value):
                 call()
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_body_bytes=0), dict(max_body_bytes=1.5),
-                                    dict(base_url="ftp://h:1"), dict(base_url="127.0.0.1:8000")])
+@pytest.mark.parametrize("kwargs", [
+    dict(max_body_bytes=0), dict(max_body_bytes=1.5), dict(base_url="ftp://h:1"),
+    dict(base_url="127.0.0.1:8000"), dict(base_url="http://h:99999"),
+    dict(base_url="http://[::1"), dict(base_url="http://h\u00e9.example"),
+    dict(base_url="http://u:pw-9f8e@h:1"), dict(base_url="http://u:pw-9f8e@[::1"),
+    dict(base_url=f"http://{'a' * 64}.example"), dict(base_url="http://h:1/?q=1"),
+    dict(timeout=1e10), dict(transfer_timeout=1e12), dict(connect_timeout=2e9)], ids=repr)
 def test_a_bad_setting_is_refused(kwargs):
-    with pytest.raises(ValueError):
+    """When the client is made, in one sentence that shows no password: not
+    later, at the first call, as a bare error of the HTTP stack or an
+    ``OverflowError`` of a socket's timeout (past about 9.2e9 s)."""
+    with pytest.raises(ValueError) as e:
         VLLMClient(**{"base_url": "http://127.0.0.1:1", **kwargs})
+    assert "pw-9f8e" not in str(e.value) and ". " not in str(e.value)
+
+
+def test_a_url_is_kept_as_given_less_its_trailing_slash():
+    for url, kept in [("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+                      ("HTTPS://vllm.example.com/v/", "https://vllm.example.com/v"),
+                      ("http://[::1]:8000", "http://[::1]:8000")]:
+        with VLLMClient(url) as c:
+            assert c.base_url == kept
 
 
 def test_max_body_bytes_bounds_a_small_answer_too():
