@@ -152,29 +152,33 @@ def as_buffer(obj: Any, count: int | None = None, dtype: Any = None,
             ``count`` beyond what ``obj`` holds; an array that is not
             C-contiguous, not on a CUDA device, or sharded over several.
     """
-    if isinstance(obj, DeviceBuffer):
-        buf = obj
-    elif isinstance(obj, int):
+    if isinstance(obj, int) and not isinstance(obj, DeviceBuffer):
         if count is None or dtype is None:
             raise ValueError("a raw pointer needs count= and dtype=")
         if obj == 0 and count:
             raise ValueError("null device pointer")
         return DeviceBuffer(obj, int(count), dtype_name(dtype))
-    elif _is_jax_array(obj):
-        buf = _from_jax(obj)
-    elif hasattr(obj, "__cuda_array_interface__"):
-        buf = _from_cai(obj)
-    elif hasattr(obj, "__dlpack__"):
-        buf = _from_dlpack(obj, stream)
-    else:
-        raise TypeError(
-            f"cannot get a device buffer from {type(obj).__name__}: pass an int "
-            "pointer, a JAX array, or an object with __cuda_array_interface__ or __dlpack__"
-        )
+    buf = _whole(obj, stream)
     if dtype is not None and dtype_name(dtype) != buf.dtype:
         raise TypeError(f"buffer holds {buf.dtype}, not {dtype_name(dtype)}")
-    if count is not None:
-        if count > buf.count:
-            raise ValueError(f"count {count} exceeds the buffer's {buf.count} elements")
-        buf = DeviceBuffer(buf.ptr, int(count), buf.dtype, buf.owner)
-    return buf
+    if count is None:
+        return buf
+    if count > buf.count:
+        raise ValueError(f"count {count} exceeds the buffer's {buf.count} elements")
+    return DeviceBuffer(buf.ptr, int(count), buf.dtype, buf.owner)
+
+
+def _whole(obj: Any, stream: int | None) -> DeviceBuffer:
+    """All of what an array (or a ``DeviceBuffer``) holds, as a buffer."""
+    if isinstance(obj, DeviceBuffer):
+        return obj
+    if _is_jax_array(obj):
+        return _from_jax(obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, stream)
+    raise TypeError(
+        f"cannot get a device buffer from {type(obj).__name__}: pass an int "
+        "pointer, a JAX array, or an object with __cuda_array_interface__ or __dlpack__"
+    )

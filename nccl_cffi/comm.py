@@ -36,11 +36,15 @@ from .errors import InvalidUsageError, NcclTimeoutError
 from .library import load_library, nccl_version
 from .results import IN_PROGRESS, SUCCESS, make_error
 from .results import check as check_rc
-from .waiting import Deadline, Job, poll_until
+from .waiting import Deadline, Job, check_timeout, poll_until
 
 UNIQUE_ID_BYTES = 128
 DEFAULT_INIT_TIMEOUT = 300.0
 DEFAULT_OP_TIMEOUT = 300.0
+
+# What ``init_rank`` runs right after init: (the communicator, the seconds
+# left, the check to poll).
+Then = Callable[["Communicator", "float | None", Callable[[], None]], None]
 
 _REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 _CONFIG_MAGIC = 0xCAFEBEEF
@@ -148,25 +152,22 @@ class Communicator:
     # -- construction ---------------------------------------------------
     @classmethod
     def init_rank(cls, nranks: int, unique_id: bytes | Any, rank: int, device: int, *,
-                  blocking: bool = False,
-                  timeout: float | None = DEFAULT_INIT_TIMEOUT,
+                  blocking: bool = False, timeout: float | None = DEFAULT_INIT_TIMEOUT,
                   check: Callable[[], None] | None = None,
-                  then: Callable[[Communicator, float | None, Callable[[], None]], None]
-                  | None = None) -> Communicator:
+                  then: Then | None = None) -> Communicator:
         """Join the communicator of ``nranks`` ranks named by ``unique_id`` as ``rank``.
 
         Every rank must call this concurrently; NCCL has no barrier before it.
-        Returns once init completes, or raises ``NcclTimeoutError`` after
-        ``timeout`` seconds (``None``: wait for ever). ``check`` is called
-        while waiting; if it raises (say, the server refused init), the init
-        is given up and its exception propagates. ``then(comm, seconds_left,
-        check)`` runs right after init under the same deadline (the warm-up);
-        if it raises, the communicator is aborted.
+        Returns once init completes, or raises ``NcclTimeoutError`` after ``timeout``
+        seconds (``None``: wait for ever). ``check`` is called while waiting; if it
+        raises (say, the server refused init), the init is given up and its exception
+        propagates. ``then(comm, seconds_left, check)`` runs right after init under
+        the same deadline (the warm-up); if it raises, the communicator is aborted.
 
-        Non-blocking (default): given up means aborted. Blocking: the init runs
-        on a daemon thread, and given up means abandoned: NCCL hands out the
-        handle only when init returns, so nothing can abort it earlier. If it
-        ever returns, the thread aborts the communicator itself.
+        Non-blocking (default): given up means aborted. Blocking: the init runs on a
+        daemon thread, and given up means abandoned: NCCL hands out the handle only
+        when init returns, so nothing can abort it earlier. If it ever returns, the
+        thread aborts the communicator itself.
 
         Args:
             nranks: every rank of the communicator.
@@ -183,7 +184,8 @@ class Communicator:
             The communicator, open.
 
         Raises:
-            ValueError: ``nranks``, ``rank`` or ``device`` out of range.
+            ValueError: ``nranks``, ``rank`` or ``device`` out of range, or
+                ``timeout`` not None nor 0 to ``MAX_TIMEOUT_S`` seconds.
             TypeError, ValueError: ``unique_id`` is not 128 bytes.
             NcclLibraryNotFound: no usable libnccl.
             CudaError: ``device`` cannot be made current.
@@ -192,16 +194,9 @@ class Communicator:
                 GPU, ...), or reported an error while it ran.
             BaseException: what ``check`` or ``then`` raised (the init given up).
         """
-        if not isinstance(nranks, int) or nranks < 1:
-            raise ValueError(f"nranks must be a positive int, got {nranks!r}")
-        if not isinstance(rank, int) or not 0 <= rank < nranks:
-            raise ValueError(f"rank {rank!r} is out of range for nranks {nranks}")
-        if not isinstance(device, int) or device < 0:
-            raise ValueError(f"device must be a CUDA ordinal, got {device!r}")
+        _check_init_args(nranks, rank, device, timeout)
         uid = unique_id if isinstance(unique_id, ffi.CData) else unique_id_from_bytes(unique_id)
-        why = (f"rank {rank} of {nranks} waited {timeout}s for the other ranks to join: check "
-               "that every peer got the same unique id and world size and entered init "
-               "(vLLM: /init_weight_transfer_engine)")
+        why = _not_joined(rank, nranks, timeout)
         if blocking:
             return cls._init_blocking(nranks, uid, rank, device, timeout, check, then, why)
         with cuda.on_device(device):
@@ -210,8 +205,7 @@ class Communicator:
     @classmethod
     def _init_nonblocking(cls, nranks: int, uid: Any, rank: int, device: int,
                           timeout: float | None, check: Callable[[], None] | None,
-                          then: Callable[[Communicator, float | None, Callable[[], None]], None]
-                          | None, why: str) -> Communicator:
+                          then: Then | None, why: str) -> Communicator:
         """A non-blocking init (and ``then``), aborted if it fails or stalls."""
         lib = load_library()
         out = ffi.new("ncclComm_t *")
@@ -236,8 +230,7 @@ class Communicator:
     @classmethod
     def _init_blocking(cls, nranks: int, uid: Any, rank: int, device: int,
                        timeout: float | None, check: Callable[[], None] | None,
-                       then: Callable[[Communicator, float | None, Callable[[], None]], None]
-                       | None, why: str) -> Communicator:
+                       then: Then | None, why: str) -> Communicator:
         """A blocking init (and ``then``) on a kept thread (a ``Job``), waited
         for with a deadline; given up, it aborts what it made if it ever returns."""
         deadline = Deadline(timeout)
@@ -738,6 +731,24 @@ class Communicator:
             on_timeout=lambda: self._timeout(
                 what, timeout, "a peer stopped taking part (died, or is blocked elsewhere)"),
         )
+
+
+def _check_init_args(nranks: Any, rank: Any, device: Any, timeout: Any) -> None:
+    """``init_rank``'s arguments, refused before NCCL is called."""
+    if not isinstance(nranks, int) or nranks < 1:
+        raise ValueError(f"nranks must be a positive int, got {nranks!r}")
+    if not isinstance(rank, int) or not 0 <= rank < nranks:
+        raise ValueError(f"rank {rank!r} is out of range for nranks {nranks}")
+    if not isinstance(device, int) or device < 0:
+        raise ValueError(f"device must be a CUDA ordinal, got {device!r}")
+    check_timeout("the init's timeout", timeout, optional=True, zero=True)
+
+
+def _not_joined(rank: int, nranks: int, timeout: float | None) -> str:
+    """What an init that timed out says: why the other ranks may not have come."""
+    return (f"rank {rank} of {nranks} waited {timeout}s for the other ranks to join: check "
+            "that every peer got the same unique id and world size and entered init "
+            "(vLLM: /init_weight_transfer_engine)")
 
 
 def _no_check() -> None:

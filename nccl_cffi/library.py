@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -35,6 +36,8 @@ from ._ffi import ffi
 from .errors import NcclLibraryNotFound
 
 _SONAME = "libnccl.so.2"
+# ELF64: the file header's and a program header's sizes, and a loadable segment's type.
+_ELF64_HEADER, _ELF64_PHDR, _PT_LOAD = 64, 56, 1
 _ENV_VARS = ("NCCL_LIBRARY", "VLLM_NCCL_SO_PATH")
 
 
@@ -151,11 +154,48 @@ def _absent(source: str, explicit: bool) -> str:
     return source if ":" in source else f"{source}: not found"  # pathfinder says why
 
 
+def cut_short(path: str) -> str | None:
+    """Why the shared library at ``path`` would crash the loader, or None.
+
+    Why look before ``dlopen``: the loader maps each segment the ELF program
+    headers name, and touching a page past the end of the file (a copy or
+    download cut short) is a SIGBUS that kills the process with no message.
+    Only 64-bit ELF files are looked at; anything else ``dlopen`` refuses in
+    words of its own.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(_ELF64_HEADER)
+        if len(head) < _ELF64_HEADER or head[:4] != b"\x7fELF" or head[4] != 2:
+            return None
+        order = "<" if head[5] == 1 else ">"
+        (phoff,) = struct.unpack_from(order + "Q", head, 32)
+        entry, count = struct.unpack_from(order + "HH", head, 54)
+        f.seek(phoff)
+        table = f.read(entry * count)
+    reach = phoff + entry * count
+    if entry >= _ELF64_PHDR and len(table) == entry * count:
+        for i in range(count):
+            kind, _, offset, _, _, filesz = struct.unpack_from(order + "IIQQQQ", table, i * entry)
+            if kind == _PT_LOAD:
+                reach = max(reach, offset + filesz)
+    if reach <= size:
+        return None
+    return (f"{path} is cut short: {size} bytes, where its ELF headers need {reach} (a copy "
+            "or download that did not finish?)")
+
+
 def _try_open(candidate: str) -> tuple[object, int] | str:
     """The opened library and its version code, or why it cannot be used."""
     real = os.path.realpath(candidate)
     if not os.path.isfile(real):
         return f"{candidate} does not exist"
+    try:
+        short = cut_short(real)
+    except OSError as e:
+        return f"{real} cannot be read ({e})"
+    if short:
+        return short
     try:
         lib = _open(real)
         return lib, _version_of(lib)

@@ -39,7 +39,7 @@ from typing import Any
 
 from ._ffi import ffi
 from .errors import NcclLibraryNotFound, NcclTimeoutError
-from .library import library_info, load_library
+from .library import cut_short, library_info, load_library
 from .results import SUCCESS, make_error
 
 MIN_NCCL = (2, 30, 5)
@@ -184,6 +184,10 @@ def load_m2n(path: str | os.PathLike | None = None) -> Any:
             raise NcclLibraryNotFound(
                 f"no libnccl_m2n found ({source}: {chosen or 'not installed'}): {_INSTALL}, "
                 f"or point {_ENV_VAR} at its libnccl_m2n.so")
+        short = cut_short(os.path.realpath(chosen))  # dlopen would die of SIGBUS
+        if short:
+            raise NcclLibraryNotFound(f"libnccl_m2n chosen by {source}: {short}: reinstall it "
+                                      f"({_INSTALL})")
         try:
             lib = ffi.dlopen(os.path.realpath(chosen), ffi.RTLD_NOW | ffi.RTLD_LOCAL)
         except OSError as e:

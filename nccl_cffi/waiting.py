@@ -12,6 +12,7 @@ that cannot be interrupted runs on a thread the caller can give up on.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -24,11 +25,42 @@ from .threads import run_in_thread
 T = TypeVar("T")
 Check = Callable[[], None]
 
-__all__ = ["Deadline", "Job", "JobStopped", "await_future", "in_background", "poll_until"]
+__all__ = ["MAX_TIMEOUT_S", "Deadline", "Job", "JobStopped", "await_future", "check_timeout",
+           "in_background", "poll_until"]
+
+# The longest deadline any call or setting may ask for: 10^9 s (32 years).
+# Python's timed waits (threading's, a socket's) raise OverflowError past
+# about 9.2e9 s (2**63 ns), and callers add deadlines up (a push's waits,
+# margins), so what is asked stays an order of magnitude below.
+MAX_TIMEOUT_S = 1e9
 
 
 def _nothing() -> None:
     pass
+
+
+def check_timeout(name: str, seconds: Any, *, optional: bool = False, zero: bool = False,
+                  at_most: float = MAX_TIMEOUT_S) -> None:
+    """Refuse ``seconds`` unless it is a number of seconds a wait can take.
+
+    Args:
+        name: what it is, for the message (e.g. ``"timeout"``).
+        seconds: the value.
+        optional: None is allowed (no deadline).
+        zero: 0 is allowed (a deadline already passed).
+        at_most: the largest allowed.
+
+    Raises:
+        ValueError: a bool, not a number, NaN, infinite, negative (or 0
+            unless ``zero``), or over ``at_most``; one sentence naming ``name``.
+    """
+    if seconds is None and optional:
+        return
+    number = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+    if not (number and (0 <= seconds if zero else 0 < seconds) and seconds <= at_most):
+        least = "0" if zero else "above 0"
+        raise ValueError(f"{name} must be a finite number of seconds from {least} to {at_most:g}"
+                         f"{' or None' if optional else ''}, got {seconds!r}")
 
 
 class Deadline:
@@ -40,17 +72,16 @@ class Deadline:
     wait on its own.
 
     Args:
-        seconds: how long from now; None for no deadline.
+        seconds: how long from now, 0 to ``MAX_TIMEOUT_S``; None for no deadline.
 
     Raises:
-        ValueError: ``seconds`` is negative or not a finite number.
+        ValueError: ``seconds`` is not such a number (``check_timeout``).
     """
 
     __slots__ = ("at",)
 
     def __init__(self, seconds: float | None):
-        if seconds is not None and not 0 <= seconds < float("inf"):
-            raise ValueError(f"a deadline is a finite number of seconds >= 0, got {seconds!r}")
+        check_timeout("a deadline", seconds, optional=True, zero=True)
         self.at = None if seconds is None else time.monotonic() + seconds
 
     def left(self) -> float | None:

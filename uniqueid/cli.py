@@ -114,7 +114,14 @@ def _check_engine(r: _Report, url: str, client: VLLMClient) -> None:
 
 
 def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> None:
-    with VLLMClient(url, connect_timeout=CALL_TIMEOUT, timeout=CALL_TIMEOUT) as client:
+    try:
+        client = VLLMClient(url, connect_timeout=CALL_TIMEOUT, timeout=CALL_TIMEOUT)
+    except ValueError as e:  # a URL that cannot work: one sentence, no password
+        r.bad(f"server: {e}")
+        r.unchecked.append("server")
+        return
+    url = client.base_url
+    with client:
         if not _check_workers(r, url, client):
             return
         _check_engine(r, url, client)
@@ -123,6 +130,12 @@ def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> No
             served = client.request("GET", "/version").get("version")
         except (VLLMHTTPError, VLLMConnectionError, VLLMProtocolError) as e:
             why = f"GET /version failed ({e})"
+    _check_match(r, served, why, nccl)
+
+
+def _check_match(r: _Report, served: object, why: str,
+                 nccl: tuple[int, int, int] | None) -> None:
+    """Whether this trainer's libnccl is the one the server's vLLM release loads."""
     if served is None:
         r.skip("NCCL match", f"{why}; compare "
                "by hand: on the server, python -c \"import torch; "

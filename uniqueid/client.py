@@ -27,22 +27,22 @@ its own name.
 from __future__ import annotations
 
 import json as jsonlib
-import math
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 import httpcore
 import httpx
 
-from nccl_cffi.waiting import Deadline
+from nccl_cffi.waiting import Deadline, check_timeout
 
-from .codec import redact
+from .codec import redact, redacted_head
 from .errors import RendezvousError
+from .url import check_base_url
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 60.0
@@ -51,18 +51,26 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 # The most of a server's text an error message quotes (after redaction).
 _QUOTE_CHARS = 1000
+# The most of an error body parsed as JSON: vLLM's are small objects. A larger
+# one is kept as the redacted start of its text, since parsing or redacting
+# all of a 16 MiB body would cost seconds and gigabytes past the deadline.
+_ERROR_BODY_BYTES = 64 * 2**10
 _NOT_VLLM = ("vLLM answers every route with a JSON object, so check that the URL is the vLLM "
              "server itself (not a proxy, a login page or another service)")
 
 
-def _quote(text: str) -> str:
-    """``text`` redacted, on one line, cut to ``_QUOTE_CHARS``."""
-    text = " ".join(redact(text).split())
+def _quote(text: str | bytes | bytearray) -> str:
+    """``text`` (bytes: UTF-8) redacted, on one line, cut to ``_QUOTE_CHARS``;
+    only its start is read."""
+    text = " ".join(redacted_head(text, 4 * _QUOTE_CHARS).split())
     return text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS - 3] + "..."
 
 
-def _redacted_json(raw: bytes) -> Any:
-    """An error body, redacted as text first: parsed JSON, else the text."""
+def _redacted_json(raw: bytes | bytearray) -> Any:
+    """An error body, redacted as text first: parsed JSON, else the text (its
+    redacted start, past ``_ERROR_BODY_BYTES``)."""
+    if len(raw) > _ERROR_BODY_BYTES:
+        return redacted_head(raw, _ERROR_BODY_BYTES) + f"... ({len(raw)} bytes in all)"
     text = redact(raw.decode("utf-8", "replace"))
     try:
         return jsonlib.loads(text)
@@ -142,10 +150,9 @@ class VLLMProtocolError(RendezvousError):
 
 
 def _seconds(name: str, value: Any) -> float:
-    """``value`` as a timeout: a positive finite number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    """``value`` as a timeout: seconds above 0, at most ``MAX_TIMEOUT_S`` (past
+    about 9.2e9 s a socket's timeout overflows)."""
+    check_timeout(name, value)
     return float(value)
 
 
@@ -281,18 +288,16 @@ class VLLMClient:
         max_body_bytes: the largest answer read, as sent and once inflated.
 
     Raises:
-        ValueError: a timeout that is not a positive finite number, a
-            ``max_body_bytes`` below 1, or a URL that is not http(s).
+        ValueError: a timeout that is not a number of seconds above 0 and at
+            most ``MAX_TIMEOUT_S`` (1e9), a ``max_body_bytes`` below 1, or a
+            URL ``url.check_base_url`` refuses (one sentence, no password).
     """
 
     def __init__(self, base_url: str, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  timeout: float = DEFAULT_TIMEOUT, transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
                  api_key: str | None = None, headers: dict[str, str] | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.base_url = base_url.rstrip("/")
-        parts = urlsplit(self.base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"base_url must be http://HOST:PORT or https://..., got {base_url!r}")
+        self.base_url = check_base_url(base_url)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.timeout = _seconds("timeout", timeout)
         self.transfer_timeout = _seconds("transfer_timeout", transfer_timeout)
@@ -348,7 +353,8 @@ class VLLMClient:
             The decoded JSON object.
 
         Raises:
-            ValueError: ``timeout`` is not a positive finite number.
+            ValueError: ``timeout`` is not a number of seconds above 0 and at
+                most ``MAX_TIMEOUT_S``.
             RuntimeError: the client is closed.
             VLLMHTTPError: the server answered 400 or more.
             VLLMTimeout: the call did not complete by its deadline.
@@ -378,7 +384,7 @@ class VLLMClient:
                 connection.close()
 
     def _exchange(self, method: str, url: str, json: Any, seconds: float, where: str,
-                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """Send, and read the status, headers and bounded raw body."""
         headers, content = list(self._headers), None
         if json is not None:
@@ -414,14 +420,15 @@ class VLLMClient:
                 f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
                 "check the URL and that the server is up", route) from None
 
-    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytes:
-        """The raw body, refused past ``max_body_bytes``."""
+    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytearray:
+        """The raw body, refused past ``max_body_bytes`` (not copied: it may be
+        as large as that)."""
         body = bytearray()
         for chunk in resp.iter_stream():
             body += chunk
             if len(body) > self.max_body_bytes:
                 raise self._too_big(where, route, resp.status, "as sent")
-        return bytes(body)
+        return body
 
     def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
         return VLLMProtocolError(
@@ -429,8 +436,8 @@ class VLLMClient:
             f"({how}); vLLM's answers are small JSON objects, so check the URL (or raise "
             "max_body_bytes if this server's answers are that large)", route)
 
-    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes,
-                 where: str, route: str) -> bytes:
+    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray,
+                 where: str, route: str) -> bytes | bytearray:
         """The body decoded per its Content-Encoding, bounded like the raw body."""
         encoding = _header(headers, b"content-encoding").lower()
         if encoding in ("", "identity"):
@@ -451,7 +458,7 @@ class VLLMClient:
                                     f"{_NOT_VLLM}", route)
         return out
 
-    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, where: str,
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray, where: str,
                 route: str) -> Any:
         """The decoded JSON object of a final answer, or the error it stands for."""
         raw = self._inflate(status, headers, raw, where, route)
@@ -467,7 +474,7 @@ class VLLMClient:
             answer = None
         if not isinstance(answer, dict):
             raise VLLMProtocolError(
-                f"{where} answered HTTP {status} with {_quote(raw.decode('utf-8', 'replace'))!r}, "
+                f"{where} answered HTTP {status} with {_quote(raw)!r}, "
                 f"not a JSON object; {_NOT_VLLM}", route)
         return answer
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import re
 from dataclasses import dataclass, field
 
@@ -19,9 +20,18 @@ UNIQUE_ID_BYTES = 128
 B64_LENGTH = 172  # 4 * ceil(128 / 3), ending in one "="
 
 _STD_ALPHABET = re.compile(r"[A-Za-z0-9+/]*={0,2}")
-# 64 or more characters of either base64 alphabet (JSON may write "/" as "\/"),
-# then any padding: far shorter than an id's 172, far longer than a word.
-_SECRET_LIKE = re.compile(r"(?:[A-Za-z0-9+/_-]|\\/){64,}={0,2}")
+# What may hold an id: a run of 64 or more characters of either base64
+# alphabet or backslashes (JSON may write "/" as "\/"), then any padding: far
+# shorter than an id's 172, far longer than a word. One character class, and
+# a look-behind that starts a match only where a run starts, so a search costs
+# time linear in the text and no memory per character (an alternation inside a
+# repeated group keeps state per character: 2 GB and 12 s for a 16 MiB run).
+_RUN_CLASS = r"A-Za-z0-9+/_\\-"
+_SECRET_LIKE = re.compile(rf"(?<![{_RUN_CLASS}])[{_RUN_CLASS}]{{64,}}={{0,2}}")
+_SECRET_LIKE_BYTES = re.compile(_SECRET_LIKE.pattern.encode())
+# The rest of a run (and its padding) from a given position on.
+_RUN_REST = re.compile(rf"[={_RUN_CLASS}]*")
+_RUN_REST_BYTES = re.compile(_RUN_REST.pattern.encode())
 
 
 class UniqueIdError(RendezvousError, ValueError):
@@ -120,9 +130,10 @@ def redact(text: str) -> str:
     """``text`` with anything that may be a unique id replaced by ``<redacted>``.
 
     For text that may quote a request (a server's error, a log line): every
-    run of 64 or more base64 or base64url characters, with its ``=``
-    padding, counting JSON's ``\\/`` escape as one ``/``. An id is 172 such
-    characters; SHA-256 hex digests and other long tokens go too.
+    run of 64 or more characters of the base64 or base64url alphabet or
+    backslashes (JSON's ``\\/`` escape), with its ``=`` padding. An id is 172
+    such characters; SHA-256 hex digests and other long tokens go too. The
+    cost is linear in ``text``, with no memory beyond the result.
 
     Args:
         text: any text.
@@ -131,6 +142,41 @@ def redact(text: str) -> str:
         ``text`` with each such run replaced.
     """
     return _SECRET_LIKE.sub("<redacted>", text)
+
+
+def redacted_head(data: str | bytes | bytearray, chars: int) -> str:
+    """``redact(data)[:chars]``, without decoding or redacting the rest of
+    ``data``: for a body that may be megabytes long.
+
+    ``data`` is read in windows, each ending after a whole run (an id that
+    crosses a window's end is still judged whole), until ``chars`` are kept:
+    the work is a few times ``chars``, plus the length of the last run read.
+
+    Args:
+        data: text, or bytes read as UTF-8 (invalid bytes replaced).
+        chars: how many characters to keep at most.
+
+    Returns:
+        The redacted start of ``data``, at most ``chars`` characters.
+    """
+    is_text = isinstance(data, str)
+    secret, rest = (_SECRET_LIKE, _RUN_REST) if is_text else (_SECRET_LIKE_BYTES, _RUN_REST_BYTES)
+    decode = _as_is if is_text else codecs.getincrementaldecoder("utf-8")("replace").decode
+    kept: list[str] = []
+    size = at = 0
+    while size < chars and at < len(data):
+        end = rest.match(data, min(at + chars - size, len(data))).end()
+        for run in secret.finditer(data, at, end):
+            kept += [decode(data[at:run.start()]), "<redacted>"]
+            at = run.end()
+        kept.append(decode(data[at:end], end == len(data)))
+        size = sum(map(len, kept))  # a few hundred pieces at most per window
+        at = end
+    return "".join(kept)[:chars]
+
+
+def _as_is(text: str, final: bool = False) -> str:
+    return text
 
 
 def check_rendezvous_mode(*, nccl_unique_id_b64: str | None, master_address: str | None,

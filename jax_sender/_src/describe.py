@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from .errors import MetadataError
 from .group import gather, ready
 from .naming import Mapping, dotted, identity, named_arrays
-from .plan import LoadPlan, TensorMeta, check_unique
+from .plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_unique
 
 Get = Callable[[int], jax.Array]
 
@@ -78,6 +79,8 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
             except UnicodeEncodeError:
                 raise MetadataError(f"the checkpoint name {ascii(name)} cannot travel as JSON "
                                     "text (it is not valid Unicode)") from None
+        if not isinstance(arr, jax.Array):
+            _check_host_dtype(path, arr)
         # Tracing is skipped for JAX arrays with no transform (others are
         # traced, which gives the dtype JAX will turn them into).
         out = (_traced(mapping, path, arr) if traced or not isinstance(arr, jax.Array)
@@ -91,10 +94,37 @@ def describe(params: Any, mapping: Mapping) -> tuple[list[TensorMeta], Sources]:
     return metas, Sources(paths, arrays)
 
 
+def _check_host_dtype(path: Any, arr: Any) -> None:
+    """Refuse a host array (numpy) whose dtype JAX would narrow on its way to
+    the device: with ``jax_enable_x64`` off (JAX's default), int64 becomes
+    int32 and float64 float32, silently, so ``[2**40, 7]`` would arrive as
+    ``[0, 7]``. Refused rather than sent around JAX: a transform could not
+    see the 64-bit values either, and with x64 on JAX keeps them, and they
+    are sent exactly (int64 and float64 are wire dtypes of vLLM)."""
+    dtype = getattr(arr, "dtype", None)
+    if dtype is None:  # a Python number: JAX's own width is all it has
+        return
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return
+    kept = jax.dtypes.canonicalize_dtype(dtype)
+    if kept != dtype and dtype.name in WIRE_DTYPES:  # others: refused as not a wire dtype
+        raise MetadataError(
+            f"the host array at {dotted(path)!r} is {dtype}, which JAX turns into {kept} while "
+            "jax_enable_x64 is off, changing any value that does not fit: enable it "
+            "(jax.config.update('jax_enable_x64', True)) to send the array exactly, or cast "
+            f"it to {kept} yourself")
+
+
 def _traced(mapping: Mapping, path: Any, arr: Any) -> Any:
     """The shape and dtype the mapping makes of ``arr``, without running it."""
     try:
         return jax.eval_shape(lambda a: mapping.apply(path, a), arr)
+    except OverflowError:  # a Python int past JAX's default integer
+        raise MetadataError(f"the value at {dotted(path)!r} is the Python int {arr}, which does "
+                            "not fit JAX's default integer (int32 while jax_enable_x64 is off): "
+                            "pass a numpy array of the dtype to send") from None
     except (TypeError, ValueError, IndexError) as e:  # a reshape or slice that cannot fit
         raise MetadataError(f"the mapping's transform cannot take the leaf at "
                             f"{dotted(path)!r} ({getattr(arr, 'dtype', '?')} "

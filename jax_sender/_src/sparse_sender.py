@@ -27,7 +27,7 @@ from uniqueid.wire import SparseUpdateInfo
 
 from .broadcaster import parts_of
 from .config import SendConfig
-from .describe import Descriptions, Placement, describe
+from .describe import Descriptions, Get, Placement, describe
 from .errors import MetadataError, UpdateIncomplete
 from .feeds import Tensors
 from .naming import Mapping
@@ -127,13 +127,7 @@ class SparseSender:
         t0 = time.perf_counter()
         check_push(weight_version, pause, None)
         with self.session.admit() as ticket:
-            metas, sources = self._descriptions.of(params)
-            for m in metas:
-                check_sparse(m)
-            get_new = self._place.getter(metas, sources)[0]
-            get_old = self._previous(previous, metas, tolerance, get_new)
-            counts = count_changes(((m.name, get_old(i), get_new(i))
-                                    for i, m in enumerate(metas)), tolerance)
+            metas, get_old, get_new, counts = self._changes(params, previous, tolerance)
             push, patches = self._prepared(metas, counts, get_old, get_new, tolerance)
             push.weight_version, push.pause = weight_version, pause
             patches.make_ahead(0)  # XLA starts on them while the HTTP calls go out
@@ -146,6 +140,19 @@ class SparseSender:
         self._unknown = False
         log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
         return stats
+
+    def _changes(self, params: Any, previous: Any, tolerance: float | None
+                 ) -> tuple[list[TensorMeta], Get, Get, list[int]]:
+        """The push's metadata (sparse dtypes only), the tensors the workers
+        hold and the new ones, and how many elements of each changed."""
+        metas, sources = self._descriptions.of(params)
+        for m in metas:
+            check_sparse(m)
+        get_new = self._place.getter(metas, sources)[0]
+        get_old = self._previous(previous, metas, tolerance, get_new)
+        counts = count_changes(((m.name, get_old(i), get_new(i))
+                                for i, m in enumerate(metas)), tolerance)
+        return metas, get_old, get_new, counts
 
     def _forget(self, aborted: bool) -> None:
         """A push aborted mid-stream may have changed some of the weights."""

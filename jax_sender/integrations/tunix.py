@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -57,13 +56,16 @@ import jax.numpy as jnp
 from jax_sender import Mapping, MetadataError, PendingSend, SendConfig, SendError, WeightSender
 from jax_sender._src.naming import dotted
 from nccl_cffi import Deadline
-from uniqueid import VLLMClient, VLLMProtocolError, VLLMTimeout
+from nccl_cffi.waiting import MAX_TIMEOUT_S
+from uniqueid import VLLMClient, VLLMTimeout
+
+from . import _completions as answers
+from ._completions import ROUTE
 
 __all__ = ["VLLMServerRollout", "strip_prefix"]
 
 log = logging.getLogger("jax_sender.tunix")
 
-ROUTE = "/v1/completions"
 # vllm/envs.py: VLLM_MAX_COMPLETION_PROMPTS (1024 by default): the most prompts
 # one completions request may carry (protocol.py: validate_prompt_list_length).
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -112,6 +114,22 @@ def _is_lora_leaf(leaf: Any) -> bool:
     return isinstance(kind, type) and issubclass(kind, nnx.LoRAParam)
 
 
+def _refuse_lora(params: Any, filter_types: Any) -> None:
+    """LoRA adapter weights, named by the filter or found among the leaves,
+    refused before any request: vLLM's weight update loads whole tensors."""
+    if filter_types is not None and _names_lora(filter_types):
+        raise MetadataError(
+            "update_params was given LoRA adapter weights (filter_types names "
+            "nnx.LoRAParam), which vLLM's weight update cannot load: merge the adapters "
+            "into the base weights and push the merged nnx.Param state")
+    lora = [leaf for leaf in _leaves(params) if _is_lora_leaf(leaf)]
+    if lora:
+        raise MetadataError(
+            f"update_params was given {len(lora)} LoRA adapter weight(s) (nnx.LoRAParam), "
+            "which vLLM's weight update cannot load: merge the adapters into the base "
+            "weights and push the merged nnx.Param state")
+
+
 def _names_lora(filter_types: Any) -> bool:
     items = filter_types if isinstance(filter_types, (tuple, list)) else (filter_types,)
     return any(isinstance(f, type) and issubclass(f, nnx.LoRAParam) for f in items)
@@ -146,10 +164,6 @@ def _ids(row: Any, what: str) -> list[int]:
     if any(t < 0 for t in out):
         raise ValueError(f"{what} holds a negative token id")
     return out
-
-
-def _protocol(where: str, message: str) -> VLLMProtocolError:
-    return VLLMProtocolError(f"POST {where}{ROUTE} {message}", ROUTE)
 
 
 class VLLMServerRollout(base_rollout.BaseRollout):
@@ -298,43 +312,40 @@ class VLLMServerRollout(base_rollout.BaseRollout):
             SendError, UpdateIncomplete: a blocking push failed.
             RuntimeError: the rollout is closed.
         """
-        if filter_types is not None and _names_lora(filter_types):
-            raise MetadataError(
-                "update_params was given LoRA adapter weights (filter_types names "
-                "nnx.LoRAParam), which vLLM's weight update cannot load: merge the adapters "
-                "into the base weights and push the merged nnx.Param state")
-        lora = [leaf for leaf in _leaves(params) if _is_lora_leaf(leaf)]
-        if lora:
-            raise MetadataError(
-                f"update_params was given {len(lora)} LoRA adapter weight(s) (nnx.LoRAParam), "
-                "which vLLM's weight update cannot load: merge the adapters into the base "
-                "weights and push the merged nnx.Param state")
+        _refuse_lora(params, filter_types)
         with self._lock:
             self._check_open()
-            previous, self._pending = self._pending, None
-            if previous is not None:
-                try:
-                    self._settle(previous, self._pending_version)
-                except Exception as e:  # noqa: BLE001 - logged; this push repairs it
-                    log.warning("the weight push %r failed (%s); pushing again",
-                                self._pending_version, e)
-            if self._sender is None:
-                self._sender = self._connect()
-            if self._sender.broken:
-                log.warning("the weight sender is broken (%s): reconnecting", self._sender.broken)
-                self._sender.reconnect()
+            sender = self._sender_for_a_push()
             self._pushes += 1
             version = weight_version if weight_version is not None else f"{self._prefix}{self._pushes}"
             # RLCluster.sync_weights forbids every host<->device transfer while JAX
             # runs on CPU (rl_cluster.py, sync_weights); a push is a transfer out of
             # the trainer by design (its staging buffers, its copies to the wire).
             with jax.transfer_guard("allow"):
-                out = self._sender.send(params, weight_version=version, pause=self._pause,
-                                        wait=not self._async_push)
+                out = sender.send(params, weight_version=version, pause=self._pause,
+                                  wait=not self._async_push)
             if isinstance(out, PendingSend):
                 self._pending, self._pending_version = out, version
             else:
                 self._weight_version = version
+
+    def _sender_for_a_push(self) -> WeightSender:
+        """The sender, ready for the next push (under ``_lock``): the push in
+        flight ended (its failure logged: the next push repairs it), the
+        sender connected, and reconnected if a failure left it broken."""
+        previous, self._pending = self._pending, None
+        if previous is not None:
+            try:
+                self._settle(previous, self._pending_version)
+            except Exception as e:  # noqa: BLE001 - logged; this push repairs it
+                log.warning("the weight push %r failed (%s); pushing again",
+                            self._pending_version, e)
+        if self._sender is None:
+            self._sender = self._connect()
+        if self._sender.broken:
+            log.warning("the weight sender is broken (%s): reconnecting", self._sender.broken)
+            self._sender.reconnect()
+        return self._sender
 
     def wait_for_push(self) -> None:
         """Wait for the push in flight, if any, within its own deadlines.
@@ -413,8 +424,9 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         ids, field = self._prompt_field(prompts)
-        answered = self._complete(field, self._sampling(cfg, n, kwargs), per_prompt=n)
-        prompt_ids, tokens, texts, logprobs = self._samples(answered, ids, n,
+        body = self._sampling(cfg, n, kwargs)
+        answered = self._complete(field, body, per_prompt=n)
+        prompt_ids, tokens, texts, logprobs = self._samples(answered, ids, n, body["max_tokens"],
                                                             cfg.return_logprobs)
         return base_rollout.RolloutOutput(
             text=texts, logits=None, tokens=tokens, logprobs=logprobs,
@@ -453,25 +465,26 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         return body
 
     def _samples(self, answered: list[tuple[str, dict[str, Any]]], ids: list[list[int]] | None,
-                 n: int, want_logprobs: bool) -> tuple[list[list[int]], list[np.ndarray],
-                                                       list[str], list[np.ndarray] | None]:
-        """Each prompt's ids, and each sample's tokens, text and logprobs."""
+                 n: int, max_tokens: int, want_logprobs: bool
+                 ) -> tuple[list[list[int]], list[np.ndarray], list[str], list[np.ndarray] | None]:
+        """Each prompt's ids, and each sample's tokens, text and logprobs, every
+        field checked (``_completions``) before any of it is used."""
         prompt_ids: list[list[int]] = []
         tokens: list[np.ndarray] = []
         texts: list[str] = []
         logprobs: list[np.ndarray] | None = [] if want_logprobs else None
         for k, (where, choice) in enumerate(answered):
             if k % n == 0:
-                prompt_ids.append(_prompt_of(choice, None if ids is None else ids[k // n],
-                                             k, where))
-            out_ids = _choice_tokens(choice, k, where)
+                sent = None if ids is None else ids[k // n]
+                prompt_ids.append(answers.prompt_ids(choice, sent, k, where))
+            out_ids = answers.sampled_ids(choice, max_tokens, k, where)
             tokens.append(np.asarray(out_ids, dtype=np.int32))
             if self._tokenizer is not None:
                 texts.append(self._tokenizer.decode(out_ids))
             else:
-                texts.append(str(choice.get("text", "")))
+                texts.append(answers.sampled_text(choice, k, where))
             if logprobs is not None:
-                logprobs.append(_choice_logprobs(choice, out_ids, k, where))
+                logprobs.append(answers.sampled_logprobs(choice, out_ids, k, where))
         return prompt_ids, tokens, texts, logprobs
 
     def _left_padded(self, prompt_ids: list[list[int]], cfg: base_rollout.RolloutConfig,
@@ -523,26 +536,14 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         if prompts.ndim != 2 or completions.ndim != 2 or prompts.shape[0] != completions.shape[0]:
             raise ValueError(f"prompt_tokens [B, P] and completion_tokens [B, C] must be 2-D with "
                              f"the same B, got {prompts.shape} and {completions.shape}")
-        pad = self.pad_id()
         out = np.zeros(completions.shape, dtype=np.float32)
-        sequences: list[list[int]] = []
-        rows: list[tuple[int, np.ndarray, int]] = []
-        for b in range(prompts.shape[0]):
-            keep = completions[b] != pad
-            if not keep.any():
-                continue
-            prompt = _ids(prompts[b][prompts[b] != pad], f"prompt_tokens[{b}]")
-            if not prompt:
-                raise ValueError(f"prompt_tokens[{b}] is all padding: the first completion "
-                                 "token would have no logprob")
-            sequences.append(prompt + _ids(completions[b][keep], f"completion_tokens[{b}]"))
-            rows.append((b, np.flatnonzero(keep), len(prompt)))
+        sequences, rows = _sequences(prompts, completions, self.pad_id())
         if not sequences:
             return jnp.asarray(out)
         body = {"echo": True, "max_tokens": 0, "prompt_logprobs": 0, "return_token_ids": True}
         answered = self._complete(sequences, body, per_prompt=1)
         for k, ((b, cols, start), seq, (where, choice)) in enumerate(zip(rows, sequences, answered)):
-            out[b, cols] = _prompt_logprobs(choice, seq, start, k, where)
+            out[b, cols] = answers.prompt_logprobs(choice, seq, start, k, where)
         return jnp.asarray(out)
 
     def pad_id(self) -> int:
@@ -634,17 +635,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         if self._model_name is not None:
             request["model"] = self._model_name
         answer = client.request("POST", ROUTE, json=request, timeout=left)
-        choices = answer.get("choices")
-        if not isinstance(choices, list) or len(choices) != want \
-                or not all(isinstance(c, dict) for c in choices):
-            raise _protocol(client.base_url, f"answered {type(choices).__name__} choices "
-                            f"({len(choices) if isinstance(choices, list) else '-'}), not the "
-                            f"{want} asked for")
-        indices = [c.get("index") for c in choices]
-        if sorted(indices) != list(range(want)):  # type: ignore[type-var]
-            raise _protocol(client.base_url, "answered choices whose indices are not "
-                            f"0..{want - 1}")
-        return sorted(choices, key=lambda c: c["index"])
+        return answers.ordered_choices(answer, want, client.base_url)
 
     # -- lifetime --------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -693,6 +684,26 @@ _VARIABLE_TYPES = tuple(t for t in (nnx.Variable, vars(nnx).get("VariableState")
                         if isinstance(t, type))
 
 
+def _sequences(prompts: np.ndarray, completions: np.ndarray, pad: int
+               ) -> tuple[list[list[int]], list[tuple[int, np.ndarray, int]]]:
+    """Each row with a completion token, as Tunix's ``process_ids`` reads it
+    (pads anywhere are not part of it): the sequence sent, and (its row, the
+    completion's columns, where the completion starts in the sequence)."""
+    sequences: list[list[int]] = []
+    rows: list[tuple[int, np.ndarray, int]] = []
+    for b in range(prompts.shape[0]):
+        keep = completions[b] != pad
+        if not keep.any():
+            continue
+        prompt = _ids(prompts[b][prompts[b] != pad], f"prompt_tokens[{b}]")
+        if not prompt:
+            raise ValueError(f"prompt_tokens[{b}] is all padding: the first completion "
+                             "token would have no logprob")
+        sequences.append(prompt + _ids(completions[b][keep], f"completion_tokens[{b}]"))
+        rows.append((b, np.flatnonzero(keep), len(prompt)))
+    return sequences, rows
+
+
 def _leaves(tree: Any) -> list[Any]:
     """The tree's leaves, NNX variables kept whole (their type tells LoRA)."""
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, _VARIABLE_TYPES))
@@ -713,79 +724,12 @@ def _checked(urls: list[str], mapping: Mapping | None, sender: WeightSender | No
     if sender is not None and sender.mapping is not mapping:
         raise ValueError("the sender was connected with another mapping than mapping=: "
                          "give the sender alone (its mapping names the push)")
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float))
+                                           and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be a number of seconds above 0 and at most "
+                         f"{MAX_TIMEOUT_S:g}, got {timeout_s!r}")
     if not (isinstance(max_prompts, int) and max_prompts >= 1):
         raise ValueError(f"max_prompts_per_request must be a positive int, got {max_prompts!r}")
     if pause not in (None, "abort", "wait", "keep"):
         raise ValueError(f"pause must be 'abort', 'wait', 'keep' or None, got {pause!r}")
     return mapping
-
-
-def _prompt_of(choice: dict[str, Any], sent: list[int] | None, k: int, where: str) -> list[int]:
-    """The prompt a choice answered: the ids sent, checked against those it
-    names, or (a text prompt, no tokenizer) the ids it names."""
-    got = choice.get("prompt_token_ids")
-    if sent is None:
-        if not (isinstance(got, list) and got):
-            raise _protocol(where, f"answered choice {k} without prompt_token_ids although "
-                            "return_token_ids was set")
-        return _ids(got, f"choice {k}'s prompt_token_ids")
-    if got is not None and list(got) != sent:
-        raise _protocol(where, f"answered choice {k} for prompt tokens other than those sent "
-                        "(was the prompt truncated?)")
-    return sent
-
-
-def _choice_tokens(choice: dict[str, Any], k: int, where: str) -> list[int]:
-    """A choice's generated ids: ``token_ids`` (``return_token_ids``), checked
-    against the ``token_id:N`` strings of its logprobs when both came."""
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list):
-        raise _protocol(where, f"answered choice {k} without token_ids although "
-                        "return_token_ids was set (vLLM 0.33.0 sends them)")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise _protocol(where, f"answered choice {k} with token_ids that are not token ids")
-    lp = choice.get("logprobs")
-    if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
-        named = lp["tokens"]
-        if len(named) != len(ids) or any(s != f"token_id:{t}" for s, t in zip(named, ids)):
-            raise _protocol(where, f"answered choice {k} whose logprobs name other tokens "
-                            "than its token_ids")
-    return ids
-
-
-def _choice_logprobs(choice: dict[str, Any], ids: list[int], k: int, where: str) -> np.ndarray:
-    lp = choice.get("logprobs")
-    values = lp.get("token_logprobs") if isinstance(lp, dict) else None
-    if not isinstance(values, list) or len(values) != len(ids) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise _protocol(where, f"answered choice {k} without one logprob per generated token "
-                        "although logprobs was set")
-    return np.asarray(values, dtype=np.float32)
-
-
-def _prompt_logprobs(choice: dict[str, Any], seq: list[int], start: int, k: int,
-                     where: str) -> np.ndarray:
-    """The logprobs of ``seq[start:]`` from a choice's ``prompt_logprobs``: a
-    list as long as the prompt, None first, then per position a dict from
-    the token id (a JSON string) to vLLM's ``Logprob`` (``logprob``,
-    ``rank``, ``decoded_token``) that holds the prompt's own token."""
-    got = choice.get("prompt_token_ids")
-    if got is not None and list(got) != seq:
-        raise _protocol(where, f"answered choice {k} for prompt tokens other than those sent "
-                        "(was the sequence truncated?)")
-    lps = choice.get("prompt_logprobs")
-    if not isinstance(lps, list) or len(lps) != len(seq):
-        raise _protocol(where, f"answered choice {k} without one prompt_logprobs entry per "
-                        "token although prompt_logprobs was set")
-    out = np.empty(len(seq) - start, dtype=np.float32)
-    for j, pos in enumerate(range(start, len(seq))):
-        entry = lps[pos]
-        item = entry.get(str(seq[pos])) if isinstance(entry, dict) else None
-        value = item.get("logprob") if isinstance(item, dict) else None
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise _protocol(where, f"answered choice {k} without the logprob of token "
-                            f"{seq[pos]} at position {pos}")
-        out[j] = value
-    return out

@@ -119,32 +119,10 @@ def start_workers(gpus: list[str], fault_args: list[str],
              "--worker-rank", str(rank), *fault_args], env=env))
     failure: list[str] = []
     ready = threading.Event()
-
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.2):
-            dead = [(i, p.returncode) for i, p in enumerate(w.procs) if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                failure.append(f"worker {dead[0][0]} exited with status {dead[0][1]} before "
-                               "it was ready" if dead else
-                               f"the workers were not ready within {timeout:.0f}s")
-                with contextlib.suppress(OSError, EOFError):
-                    Client(listener.address, authkey=authkey).close()
-                return
-
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=_watch, args=(w, listener, authkey, timeout, ready, failure),
+                     daemon=True).start()
     try:
-        while len(w.conns) < len(gpus) and not failure:
-            conn = listener.accept()
-            while not failure and not conn.poll(0.2):
-                pass
-            if not failure:
-                try:
-                    conn.recv()
-                except EOFError:  # it connected, then died
-                    failure.append(f"worker {len(w.conns)} exited before it was ready")
-                    break
-                w.conns.append(conn)
+        _accept_all(w, listener, len(gpus), failure)
         if failure:
             raise RuntimeError(f"{failure[0]}; the worker's output above says why")
     except BaseException:
@@ -155,6 +133,39 @@ def start_workers(gpus: list[str], fault_args: list[str],
         ready.set()
         listener.close()
     return w
+
+
+def _watch(w: Workers, listener: Listener, authkey: bytes, timeout: float,
+           ready: threading.Event, failure: list[str]) -> None:
+    """Until ``ready``: on a worker's exit, or past ``timeout``, say why in
+    ``failure`` and wake ``listener.accept`` by connecting to it."""
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        dead = [(i, p.returncode) for i, p in enumerate(w.procs) if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            failure.append(f"worker {dead[0][0]} exited with status {dead[0][1]} before "
+                           "it was ready" if dead else
+                           f"the workers were not ready within {timeout:.0f}s")
+            with contextlib.suppress(OSError, EOFError):
+                Client(listener.address, authkey=authkey).close()
+            return
+
+
+def _accept_all(w: Workers, listener: Listener, count: int, failure: list[str]) -> None:
+    """Each worker's connection and its ready message, until ``count`` came
+    or ``failure`` says why not (a connection the watcher made included)."""
+    while len(w.conns) < count and not failure:
+        conn = listener.accept()
+        while not failure and not conn.poll(0.2):
+            pass
+        if failure:
+            return
+        try:
+            conn.recv()
+        except EOFError:  # it connected, then died
+            failure.append(f"worker {len(w.conns)} exited before it was ready")
+            return
+        w.conns.append(conn)
 
 
 class State:
@@ -181,15 +192,24 @@ def build_app(state: "State") -> Any:
     route, on FastAPI like vLLM's own server. A worker call blocks until
     every worker answered, so it runs in the thread pool."""
     app = FastAPI()
-    w = state.workers
 
     @app.exception_handler(HTTPError)
     async def error(_: Request, e: HTTPError) -> JSONResponse:
         return JSONResponse(_error_body(e.status, str(e)), status_code=e.status)
 
+    _status_routes(app, state)
+    _engine_routes(app, state)
+    _update_routes(app, state)
+    _checker_route(app, state)
+    return app
+
+
+def _status_routes(app: Any, state: State) -> None:
+    """The routes vLLM's API process answers itself: world size, version, pause."""
+
     @app.get("/get_world_size")
     async def get_world_size() -> dict[str, Any]:
-        return {"world_size": len(w.conns)}
+        return {"world_size": len(state.workers.conns)}
 
     @app.get("/weight_info")
     async def weight_info() -> dict[str, Any]:
@@ -210,6 +230,11 @@ def build_app(state: "State") -> Any:
     async def resume() -> dict[str, Any]:
         state.paused = False
         return {"status": "resumed"}
+
+
+def _engine_routes(app: Any, state: State) -> None:
+    """The transfer engine's init and shutdown, on every worker."""
+    w = state.workers
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
@@ -232,6 +257,10 @@ def build_app(state: "State") -> Any:
         await run_in_threadpool(w.call, "shutdown")
         return {"message": "Weight transfer shut down"}
 
+
+def _update_routes(app: Any, state: State) -> None:
+    """An update session: start, the weights (received by every worker), finish."""
+
     @app.post("/start_weight_update")
     async def start_weight_update() -> dict[str, Any]:
         if state.active:
@@ -249,7 +278,8 @@ def build_app(state: "State") -> Any:
         sparse = state.backend == "sparse_nccl"
         try:
             (SparseUpdateInfo if sparse else UpdateInfo).from_payload(info)
-            await run_in_threadpool(w.call, "receive_sparse" if sparse else "receive", info)
+            await run_in_threadpool(state.workers.call, "receive_sparse" if sparse else "receive",
+                                    info)
         except (ValueError, TypeError) as e:
             state.active = False  # vLLM drops the session without finishing it
             raise rpc_failed(str(e)) from e
@@ -269,6 +299,10 @@ def build_app(state: "State") -> Any:
             state.version = version
         return {"message": "Weight update finished"}
 
+
+def _checker_route(app: Any, state: State) -> None:
+    """``/weight_checker``: every worker's SHA-256 checksums, a reset, a compare."""
+
     @app.post("/weight_checker")
     async def weight_checker(request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -276,19 +310,17 @@ def build_app(state: "State") -> Any:
         if action not in ("checksum", "reset", "compare"):
             raise HTTPError(400, "action must be 'checksum', 'reset' or 'compare'")
         if action == "reset":
-            await run_in_threadpool(w.call, "reset")
+            await run_in_threadpool(state.workers.call, "reset")
             return {"status": "reset"}
         if action == "compare" and baseline is None:
             raise HTTPError(400, "action='compare' requires a 'baseline' object")
         sums: dict[str, str] = {}
-        for part in await run_in_threadpool(w.call, "checksums"):
+        for part in await run_in_threadpool(state.workers.call, "checksums"):
             sums.update(part)
         if action == "checksum":
             return {"checksums": sums}
         bad = sorted(k for k in sums.keys() | baseline.keys() if sums.get(k) != baseline.get(k))
         return {"match": not bad, "mismatches": bad}
-
-    return app
 
 
 def _gpu_list(text: str) -> list[str]:

@@ -151,9 +151,12 @@ def test_describe_uses_transformed_metadata_and_refuses_bad_dtypes():
         "model.layers.0.mlp.up_proj.weight", "bfloat16", (12, 8))
     cast = Mapping(transform=lambda p, a: a.astype(jnp.float32))
     assert {m.dtype for m in describe({"w": jnp.ones(2, jnp.bfloat16)}, cast)[0]} == {"float32"}
-    # Non-JAX leaves are described as what JAX will turn them into (no x64: float32).
-    assert [m.dtype for m in describe({"n": np.ones(2), "s": 1.5}, Mapping())[0]] == [
-        "float32", "float32"]
+    # Non-JAX leaves are described as what JAX will turn them into (a Python
+    # float: float32 with no x64); a float64 host array JAX would narrow is refused.
+    assert [m.dtype for m in describe({"n": np.ones(2, np.float32), "s": 1.5}, Mapping())[0]] \
+        == ["float32", "float32"]
+    with pytest.raises(MetadataError, match="is float64, which JAX turns into float32"):
+        describe({"n": np.ones(2)}, Mapping())
     with pytest.raises(MetadataError, match="cannot take"):
         describe({"w": jnp.ones(2, jnp.uint32)}, Mapping())
     with pytest.raises(MetadataError, match="nothing to send"):

@@ -498,3 +498,119 @@ def test_answers_not_of_vllms_shape_are_refused(tunix):
             rollout.close()
         finally:
             server.close()
+
+
+# -- answers vLLM never sends: each refused, naming the route and the field ---------------
+
+def _set(path, value):
+    """A mangle that sets ``answer[path...]`` (the first choice's field, say)."""
+    def mangle(body):
+        obj = body
+        for key in path[:-1]:
+            obj = obj[key]
+        obj[path[-1]] = value(obj[path[-1]]) if callable(value) else value
+        return body
+    return mangle
+
+
+def _generate(logprobs: bool = True, tokenizer: bool = True):
+    def call(rollout_of):
+        from tunix.rl.rollout import base_rollout
+        rollout = rollout_of(tokenizer=ToyTokenizer() if tokenizer else None)
+        config = base_rollout.RolloutConfig(max_tokens_to_generate=4, return_logprobs=logprobs)
+        return rollout.generate([[BOS, 3], [BOS, 4]], config)
+    return call
+
+
+def _logps(rollout_of):
+    return rollout_of().get_per_token_logps(np.array([[BOS, 3]]), np.array([[4, 5]]))
+
+
+FIRST = ("choices", 0)
+NOT_VLLMS = {
+    "a logprob of NaN": (_set((*FIRST, "logprobs", "token_logprobs", 0), float("nan")),
+                         _generate(), "logprobs.token_logprobs[0] nan"),
+    "a logprob of inf": (_set((*FIRST, "logprobs", "token_logprobs", 0), float("inf")),
+                         _generate(), "logprobs.token_logprobs[0] inf"),
+    "a logprob of -inf": (_set((*FIRST, "logprobs", "token_logprobs", 0), float("-inf")),
+                          _generate(), "logprobs.token_logprobs[0] -inf"),
+    "a positive logprob": (_set((*FIRST, "logprobs", "token_logprobs", 0), 0.25),
+                           _generate(), "logprobs.token_logprobs[0] 0.25"),
+    "a logprob that is a string": (_set((*FIRST, "logprobs", "token_logprobs", 0), "-1"),
+                                   _generate(), "logprobs.token_logprobs[0] '-1'"),
+    "logprobs not an object": (_set((*FIRST, "logprobs"), [0.0]), _generate(), "logprobs [0.0]"),
+    "5000 tokens for max_tokens=4": (_set((*FIRST, "token_ids"), list(range(5000))),
+                                     _generate(logprobs=False), "5000 token_ids"),
+    "a token id that is a bool": (_set((*FIRST, "token_ids"), [True]), _generate(False),
+                                  "token_ids [True]"),
+    "an index of null": (_set((*FIRST, "index"), None), _generate(), "index fields are [None, 1]"),
+    "an index that is a string": (_set((*FIRST, "index"), "0"), _generate(), "index fields"),
+    "prompt_token_ids a number": (_set((*FIRST, "prompt_token_ids"), 5), _generate(),
+                                  "prompt_token_ids 5"),
+    "text not a string": (_set((*FIRST, "text"), None), _generate(tokenizer=False), "text None"),
+    "a prompt logprob of NaN": (_set((*FIRST, "prompt_logprobs", 3, "5", "logprob"),
+                                     float("nan")), _logps, "prompt_logprobs[3] of token 5 nan"),
+    "a positive prompt logprob": (_set((*FIRST, "prompt_logprobs", 2, "4", "logprob"), 3.0),
+                                  _logps, "prompt_logprobs[2] of token 4 3.0"),
+    "prompt_token_ids a number (echo)": (_set((*FIRST, "prompt_token_ids"), 5), _logps,
+                                         "prompt_token_ids 5"),
+}
+
+
+@pytest.mark.parametrize("mangle,call,field", NOT_VLLMS.values(), ids=NOT_VLLMS.keys())
+def test_an_answer_vllm_never_sends_is_refused_naming_the_route_and_field(tunix, mangle, call,
+                                                                           field):
+    """Before, the logprobs reached the RL loss (NaN, inf, positive), 5000 tokens
+    came back for max_tokens=4, a text of null became "None", and an index of
+    null or prompt_token_ids of 5 escaped as a builtin TypeError."""
+    from uniqueid import VLLMProtocolError
+    server = CompletionsServer(vocab_size=V, eos_id=EOS, mangle=mangle)
+    rollouts = []
+
+    def rollout_of(**kwargs):
+        kwargs.setdefault("tokenizer", ToyTokenizer())
+        rollouts.append(rollout_on(server.url, timeout_s=10, pad_id=PAD, eos_id=EOS, **kwargs))
+        return rollouts[-1]
+    try:
+        with pytest.raises(VLLMProtocolError) as e:
+            call(rollout_of)
+        assert e.value.route == "/v1/completions"
+        assert str(e.value).startswith(f"POST {server.url}/v1/completions answered ")
+        assert field in str(e.value), str(e.value)
+    finally:
+        for rollout in rollouts:
+            rollout.close()
+        server.close()
+
+
+def test_what_vllm_can_send_at_the_edges_passes(tunix):
+    """Logprobs of exactly 0.0 and vLLM's -9999.0 (its -inf), max_tokens tokens
+    exactly, and the choices in another order than their indices: all taken."""
+    from tunix.rl.rollout import base_rollout
+
+    def edges(body):
+        first = body["choices"][0]
+        first["logprobs"]["token_logprobs"][:2] = [0.0, -9999.0]
+        body["choices"].reverse()
+        return body
+    server = CompletionsServer(vocab_size=V, eos_id=EOS, mangle=edges)
+    try:
+        rollout = rollout_on(server.url, timeout_s=10)
+        config = base_rollout.RolloutConfig(max_tokens_to_generate=4, return_logprobs=True,
+                                            temperature=0.0)
+        prompts = [[BOS, 3], [BOS, 4]]
+        out = rollout.generate(prompts, config)
+        assert out.logprobs[0][:2].tolist() == [0.0, -9999.0]
+        for k, p in enumerate(prompts):
+            assert out.tokens[k].tolist() == greedy(server, p, 4)  # in prompt order
+        rollout.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("timeout_s", [1e10, float("inf"), 0, True])
+def test_a_timeout_no_wait_can_take_is_refused_when_made(tunix, timeout_s):
+    """Past 1e9 s a timed wait overflows later: refused with the rollout's own name."""
+    with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds above 0 and "
+                                         r"at most 1e\+09"):
+        rollout_on("http://127.0.0.1:1", timeout_s=timeout_s)

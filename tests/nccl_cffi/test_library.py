@@ -71,6 +71,35 @@ def test_a_wrong_path_argument_raises_and_a_non_library_file_too(tmp_path):
         assert "path argument cannot be used" in out.stdout and why in out.stdout
 
 
+def truncated_copy(tmp_path, nbytes: int) -> str:
+    """The real libnccl cut to its first ``nbytes``."""
+    path = tmp_path / f"cut-{nbytes}.so"
+    with open(nccl_cffi.library_info().path, "rb") as f:
+        path.write_bytes(f.read(nbytes))
+    return str(path)
+
+
+@pytest.mark.parametrize("nbytes", [4096, 2**20, 2**24])
+@pytest.mark.parametrize("var", ["NCCL_LIBRARY", "NCCL_M2N_LIBRARY"])
+def test_a_truncated_library_is_refused_before_it_is_loaded(tmp_path, nbytes, var):
+    """Loading it crashed the process (SIGBUS, no message); now one error. In
+    a child, so a crash is seen as one. NCCL_M2N_LIBRARY: libnccl_m2n's own
+    loader, over the wheel's libnccl, looks the same way."""
+    cut = truncated_copy(tmp_path, nbytes)
+    load = "nccl_cffi.load_library()" if var == "NCCL_LIBRARY" else "load_m2n()"
+    code = ("import nccl_cffi\nfrom nccl_cffi.m2n import load_m2n\ntry:\n"
+            f"    {load}\nexcept nccl_cffi.NcclLibraryNotFound as e:\n    print(e)\n")
+    out = run_py(code, **{var: cut})
+    assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+    assert f"{cut} is cut short: {nbytes} bytes, where its ELF headers need" in out.stdout
+
+
+def test_a_whole_library_is_not_taken_for_a_cut_one():
+    from nccl_cffi.library import cut_short
+    assert cut_short(nccl_cffi.library_info().path) is None
+    assert cut_short(sys.executable) is None  # an executable ELF, whole
+
+
 def test_nothing_found_lists_every_place():
     # Hide the wheel from pathfinder and the system library.
     code = ("import sys; import nccl_cffi.library as L\n"

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 import pytest
 
 from nccl_cffi import Deadline, Job, JobStopped, NcclTimeoutError, await_future, in_background
+from nccl_cffi.waiting import MAX_TIMEOUT_S
 
 
 def test_a_future_that_failed_with_a_timeout_error_is_seen_at_once():
@@ -43,10 +44,14 @@ def test_a_deadline_that_starts_later():
     assert 0.5 <= time.monotonic() - t < 1.5
 
 
-@pytest.mark.parametrize("seconds", [-1, math.inf, math.nan])
+@pytest.mark.parametrize("seconds", [-1, math.inf, math.nan, 1e10, True, "5"])
 def test_a_deadline_is_a_finite_number_of_seconds(seconds):
-    with pytest.raises(ValueError, match="finite number of seconds"):
+    """Refused when made, in one sentence, not later as an OverflowError of the
+    timed wait it is handed to (past about 9.2e9 s)."""
+    with pytest.raises(ValueError, match="finite number of seconds from 0 to 1e.09") as e:
         Deadline(seconds)
+    assert "\n" not in str(e.value) and str(e.value).count(". ") == 0
+    assert Deadline(MAX_TIMEOUT_S).left() > MAX_TIMEOUT_S - 1
     assert Deadline(None).left() is None and not Deadline(None).passed()
     d = Deadline(0.05)
     assert d.cap(10.0) <= 0.05 and d.cap(None) <= 0.05

@@ -77,6 +77,30 @@ def test_a_library_that_is_not_nccl_is_one_sentence(command):
         assert "is not libnccl (it has no ncclGetVersion)" in line
 
 
+@pytest.fixture(params=[4096, 2**20])
+def truncated_nccl(request, tmp_path) -> str:
+    """The real libnccl (the nvidia-nccl-cu13 wheel's) cut to its first bytes,
+    as a copy or download that did not finish leaves it."""
+    path = tmp_path / "libnccl.so.2"
+    with open(nccl_cffi.library_info().path, "rb") as f:
+        path.write_bytes(f.read(request.param))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["mint", "doctor"])
+def test_a_truncated_libnccl_is_one_sentence_not_a_crash(command, truncated_nccl):
+    """dlopen of a truncated ELF maps segments past the file's end and dies of
+    SIGBUS with no message (both commands did); now the file is refused first."""
+    out = cli_run(command, NCCL_LIBRARY=truncated_nccl)
+    assert out.returncode == 1, (out.returncode, out.stderr[-500:])
+    said = out.stderr if command == "mint" else out.stdout
+    line, = [ln for ln in said.splitlines() if "cannot be used" in ln]
+    assert f"{truncated_nccl} is cut short: {os.path.getsize(truncated_nccl)} bytes" in line
+    assert "Traceback" not in out.stderr + out.stdout and line.count("\n") == 0
+    if command == "mint":
+        assert not out.stdout and out.stderr.count("\n") == 1
+
+
 def test_mint_prints_an_id_vllm_accepts():
     """vLLM's decode_nccl_unique_id: standard base64 (validate=True) of 128 bytes."""
     import base64
@@ -172,3 +196,33 @@ def test_doctor_on_something_that_is_not_vllm(capsys, monkeypatch):
     with BadServer(json_answer(200, ["a", "list"])) as server:
         rc, out = _doctor(server.url, capsys, monkeypatch)
     assert rc == 1 and "not a JSON object" in out and "unreachable" not in out
+
+
+PASSWORD = "s3cret-pw"
+BAD_URLS = {
+    "not a URL": ("not a url", "must start with http:// or https://"),
+    "ftp": ("ftp://127.0.0.1:8000", "must start with http:// or https://"),
+    "an IPv6 literal left open": ("http://[::1", "cannot be parsed (Invalid IPv6 URL)"),
+    "no host": ("http://", "has no host"),
+    "port 99999": ("http://127.0.0.1:99999", "cannot be parsed (Port out of range"),
+    "a unicode host": ("http://h\u00e9llo.example:8000", "non-ASCII"),
+    "a unicode path": ("http://127.0.0.1:8000/p\u00e2th", "non-ASCII"),
+    "a host label over 63 characters": (f"http://{'a' * 64}.example:8000",
+                                        "a host name part of 64 characters"),
+    "a password": (f"http://user:{PASSWORD}@127.0.0.1:8000", "carries a user or password"),
+    "a password and an open IPv6 literal": (f"http://user:{PASSWORD}@[::1", "cannot be parsed"),
+}
+
+
+@pytest.mark.parametrize("url,says", BAD_URLS.values(), ids=BAD_URLS.keys())
+def test_doctor_names_a_bad_url_in_one_sentence_without_its_password(url, says, capsys,
+                                                                     monkeypatch):
+    """Each shape was a traceback (ValueError, TypeError, UnicodeError) or
+    printed the password; now one PROBLEM line, and the URL with ``***`` for
+    what stands before its ``@``."""
+    rc, out = _doctor(url, capsys, monkeypatch)
+    assert rc == 1, out
+    line, = [ln for ln in out.splitlines() if ln.startswith("PROBLEM")]
+    assert line.startswith("PROBLEM  server: the server URL ") and says in line, line
+    assert ". " not in line  # one sentence
+    assert PASSWORD not in out and "not checked: server" in out

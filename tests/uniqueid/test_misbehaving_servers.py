@@ -14,6 +14,8 @@ import tracemalloc
 from contextlib import contextmanager
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from uniqueid import (
     UniqueId,
@@ -24,6 +26,7 @@ from uniqueid import (
     VLLMTimeout,
     redact,
 )
+from uniqueid.codec import redacted_head
 
 from support.bad_http import (
     BadServer,
@@ -91,9 +94,12 @@ def assert_secret_free(err: BaseException) -> None:
     assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
 
 
-def call_misbehaving(behave, call, error: type[Exception]) -> tuple[Exception, BadServer]:
+def call_misbehaving(behave, call, error: type[Exception], *,
+                     memory_cap: int = MEMORY_CAP) -> tuple[Exception, BadServer]:
     """``call`` against ``behave``: returns the error, checked for its
-    deadline, its memory, its route and its secrets."""
+    deadline, its memory (the peak of Python's allocations during the call,
+    the server's thread included, under ``memory_cap``), its route and its
+    secrets."""
     with leaves_nothing_behind():
         with BadServer(behave) as server:
             client = VLLMClient(server.url, timeout=DEADLINE, transfer_timeout=DEADLINE)
@@ -109,7 +115,7 @@ def call_misbehaving(behave, call, error: type[Exception]) -> tuple[Exception, B
             client.close()
     err = caught.value
     assert took < DEADLINE + MARGIN, f"{took:.2f} s"
-    assert peak < MEMORY_CAP, f"{peak >> 20} MiB"
+    assert peak < memory_cap, f"{peak >> 20} MiB"
     method, route = server.requests[0][:2]
     assert f"{method} {server.url}{route}" in str(err)
     assert err.route == route
@@ -219,6 +225,49 @@ def test_an_error_that_echoes_the_request_does_not_leak_the_unique_id(behave):
     assert UID.encode() in server.requests[0][2]  # it was sent, and echoed
     assert err.status in (400, 500) and "<redacted>" in err.message
     assert "cannot parse the body" in str(err)
+
+
+def base64_words(nbytes: int) -> bytes:
+    """``nbytes`` of random base64 words of 60 characters a space apart: each
+    run too short to be redacted, so all of it is ordinary text to keep."""
+    run = base64.b64encode(os.urandom(nbytes))
+    return b" ".join(run[i:i + 60] for i in range(0, len(run), 60))[:nbytes]
+
+
+def hostile_body(kind: str) -> bytes:
+    """A 16 MiB (the default bound) error body of base64-like characters that
+    holds the unique id, as JSON ``{"detail": ...}``."""
+    size, uid = 16 * 2**20, UID.encode()
+    if kind == "one run":  # one 16 MiB run, the id inside it
+        text = base64.b64encode(os.urandom(size // 2))[:size // 2] + uid
+        text += base64.b64encode(os.urandom(size // 2))
+    else:  # words, the id first and across the start the error keeps (64 KiB)
+        spelled = uid.replace(b"/", b"\\/") if kind == "escaped words" else uid
+        words = base64_words(size)
+        cut = 64 * 2**10 - 80
+        text = spelled + b" " + words[:cut] + b" " + spelled + b" " + words[cut:]
+    body = b'{"detail": "' + text
+    return body[:size - 2] + b'"}'
+
+
+@pytest.mark.parametrize("kind", ["one run", "words", "escaped words"])
+def test_a_16_mib_error_body_costs_its_size_within_the_deadline(kind):
+    """A 16 MiB error answer made of base64-like characters (the id in it):
+    the whole call, redaction included, ends within its deadline (+ margin),
+    its peak memory is the body (read once, not copied) plus a few MiB, and
+    no id, nor a part of one cut at the end of what is kept, is quoted."""
+    body = hostile_body(kind)
+    assert len(body) == 16 * 2**20
+    err, _ = call_misbehaving(raw_answer(500, body, [("Content-Type", "application/json")]),
+                              init, VLLMHTTPError, memory_cap=len(body) * 9 // 8 + 8 * 2**20)
+    assert err.status == 500 and "<redacted>" in err.message
+    assert isinstance(err.body, str) and f"({len(body)} bytes in all)" in err.body
+    assert len(err.body) < 70 * 2**10 and len(str(err)) < 2000
+    for text in texts_of(err):
+        for secret in SECRETS:
+            assert secret[:40] not in text and secret[-40:] not in text
+    if kind != "one run":  # the words themselves are kept
+        assert err.body.count(" ") > 1000
 
 
 def test_a_connection_closed_mid_answer_is_a_connection_error():
@@ -333,7 +382,7 @@ def test_close_twice_and_calls_after_close():
             client.get_world_size()
 
 
-BAD_SECONDS = [None, math.inf, math.nan, 0, -1.0, True, "5"]
+BAD_SECONDS = [None, math.inf, math.nan, 0, -1.0, True, "5", 1e10]
 
 
 @pytest.mark.parametrize("name", ["connect_timeout", "timeout", "transfer_timeout"])
@@ -353,11 +402,28 @@ def test_a_per_call_timeout_must_be_positive_and_finite(value):
                 call()
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_body_bytes=0), dict(max_body_bytes=1.5),
-                                    dict(base_url="ftp://h:1"), dict(base_url="127.0.0.1:8000")])
+@pytest.mark.parametrize("kwargs", [
+    dict(max_body_bytes=0), dict(max_body_bytes=1.5), dict(base_url="ftp://h:1"),
+    dict(base_url="127.0.0.1:8000"), dict(base_url="http://h:99999"),
+    dict(base_url="http://[::1"), dict(base_url="http://h\u00e9.example"),
+    dict(base_url="http://u:pw-9f8e@h:1"), dict(base_url="http://u:pw-9f8e@[::1"),
+    dict(base_url=f"http://{'a' * 64}.example"), dict(base_url="http://h:1/?q=1"),
+    dict(timeout=1e10), dict(transfer_timeout=1e12), dict(connect_timeout=2e9)], ids=repr)
 def test_a_bad_setting_is_refused(kwargs):
-    with pytest.raises(ValueError):
+    """When the client is made, in one sentence that shows no password: not
+    later, at the first call, as a bare error of the HTTP stack or an
+    ``OverflowError`` of a socket's timeout (past about 9.2e9 s)."""
+    with pytest.raises(ValueError) as e:
         VLLMClient(**{"base_url": "http://127.0.0.1:1", **kwargs})
+    assert "pw-9f8e" not in str(e.value) and ". " not in str(e.value)
+
+
+def test_a_url_is_kept_as_given_less_its_trailing_slash():
+    for url, kept in [("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+                      ("HTTPS://vllm.example.com/v/", "https://vllm.example.com/v"),
+                      ("http://[::1]:8000", "http://[::1]:8000")]:
+        with VLLMClient(url) as c:
+            assert c.base_url == kept
 
 
 def test_max_body_bytes_bounds_a_small_answer_too():
@@ -377,6 +443,39 @@ def test_redact_hides_ids_in_every_spelling():
         out = redact(f'{{"nccl_unique_id_b64":"{spelled}"}} and more')
         assert out == '{"nccl_unique_id_b64":"<redacted>"} and more'
     assert redact(f"{std} {url}") == "<redacted> <redacted>"
+
+
+SPELLINGS = {"std": lambda raw: base64.b64encode(raw).decode(),
+             "url": lambda raw: base64.urlsafe_b64encode(raw).decode(),
+             "escaped": lambda raw: base64.b64encode(raw).decode().replace("/", "\\/"),
+             "unpadded": lambda raw: base64.b64encode(raw).decode().rstrip("=")}
+AROUND = st.text(alphabet="aZ09+/=-_\\ \"{}:\n\u00e9", max_size=90)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(min_size=128, max_size=128), spelling=st.sampled_from(sorted(SPELLINGS)),
+       before=AROUND, after=AROUND, keep=st.integers(0, 400))
+def test_redact_removes_an_id_wherever_it_appears(raw, spelling, before, after, keep):
+    """An id in any spelling, next to anything (base64 characters that lengthen
+    its run, escapes, padding, quotes, non-ASCII): no 40 characters of it are
+    left by ``redact``, nor by ``redacted_head`` cutting anywhere (in it too),
+    from text or from UTF-8 bytes."""
+    spelled = SPELLINGS[spelling](raw)
+    text = before + spelled + after
+    outs = [redact(text), redacted_head(text, keep), redacted_head(text.encode(), keep)]
+    assert len(outs[1]) <= keep and len(outs[2]) <= keep
+    for out in outs:
+        assert "<redacted>" in out or len(out) < len(before) + 40
+        for i in range(len(spelled) - 40):
+            assert spelled[i:i + 40] not in out
+
+
+def test_redacted_head_keeps_what_redact_keeps():
+    """The start of ``redact``'s answer, read from text or bytes, at any cut."""
+    text = f"error {UID} in 'x' " * 3 + "plain words " * 40 + f"{UID[:100]}|{UID}"
+    for keep in (0, 5, 6, 200, 230, 600, 10**6):
+        assert redacted_head(text, keep) == redact(text)[:keep]
+        assert redacted_head(text.encode(), keep) == redact(text)[:keep]
 
 
 @pytest.mark.parametrize("text", [
