@@ -430,6 +430,41 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
         NcclError: NCCL refused the trainer's init.
     """
     deadline = Deadline(timeout)
+    info, group = _plan_group(server, params, device=device, deadline=deadline,
+                              trainer_ranks=trainer_ranks, share=share, store_host=store_host,
+                              max_cta=max_cta, joiner=joiner)
+    init = in_background(_post_init, server, info, deadline, name="vllm-init")
+    join = _Join(group=group, info=info, rank=0, device=device, joiner=joiner,
+                 deadline=deadline, check=_refusal(init))
+    try:
+        plane, destinations = _run_join(join, deadline)
+    except RendezvousError as e:
+        raise RendezvousError(f"the M2N group did not form: {e}") from e
+    _answered(init, server, deadline, lambda: (plane.abort("server init failed"), group.close()))
+    return M2NConnection(comm=plane, clients=[server], init_info=info,
+                         destinations=destinations, group=group, owns_clients=owns_client)
+
+
+def _answered(init: Future, server: VLLMClient, deadline: Deadline,
+              undo: Callable[[], Any]) -> None:
+    """The server's answer to its init, within ``deadline``; else ``undo()``."""
+    try:
+        if not await_future(init, deadline.at):
+            raise RendezvousTimeout(f"the workers joined but {server.base_url}"
+                                    "/init_weight_transfer_engine did not answer in time")
+    except BaseException:
+        undo()
+        raise
+
+
+def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: int,
+                deadline: Deadline, trainer_ranks: int,
+                share: Callable[[bytes | None, float | None], bytes] | None,
+                store_host: str | None, max_cta: int | None,
+                joiner: M2NJoiner) -> tuple[M2NInitInfo, MetadataGroup]:
+    """Step 1 before any init is posted: the trainer's checks, the server's
+    mesh, the id and the store; shared with the other trainer processes
+    (told of a failure too, so they raise rather than wait)."""
     try:
         joiner.preflight(device)
         replicas, per_replica = _server_mesh(server, deadline)
@@ -438,7 +473,7 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
         group = MetadataGroup.host(host, trainer_ranks + replicas * per_replica)
     except BaseException:
         if share is not None:
-            share(b"", deadline.left())  # the other processes raise too
+            share(b"", deadline.left())
         raise
     info = M2NInitInfo(master_address=host, master_port=group.store.port, unique_id=uid,
                        rank_offset=trainer_ranks,
@@ -447,23 +482,7 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
                        max_cta=max_cta)
     if share is not None:
         share(_shared(info), deadline.left())
-    init = in_background(_post_init, server, info, deadline, name="vllm-init")
-    join = _Join(group=group, info=info, rank=0, device=device, joiner=joiner,
-                 deadline=deadline, check=_refusal(init))
-    try:
-        plane, destinations = _run_join(join, deadline)
-    except RendezvousError as e:
-        raise RendezvousError(f"the M2N group did not form: {e}") from e
-    try:
-        if not await_future(init, deadline.at):
-            raise RendezvousTimeout(f"the workers joined but {server.base_url}"
-                                    "/init_weight_transfer_engine did not answer in time")
-    except BaseException:
-        plane.abort("server init failed")
-        group.close()
-        raise
-    return M2NConnection(comm=plane, clients=[server], init_info=info,
-                         destinations=destinations, group=group, owns_clients=owns_client)
+    return info, group
 
 
 def join_m2n(params: Sequence[M2NWireParam], *, rank: int, device: int, timeout: float,

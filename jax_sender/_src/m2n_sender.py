@@ -191,13 +191,7 @@ class M2NSender:
         """
         ordinal, jax_dev = usable_device(device)
         processes, process = jax.process_count(), jax.process_index()
-        clients = as_clients(servers) if process == 0 else []
-        if process == 0 and len(clients) != 1:
-            for c in clients:
-                c.close()
-            raise TransferError(
-                f"an M2N group takes one vLLM server (one deployment), got {len(clients)}: "
-                "make one M2NSender per server")
+        clients = _one_server(servers) if process == 0 else []
         descriptions = Descriptions(mapping, jax_dev, None)
         metas, sources = descriptions.of(params)
         tensors = plan_tensors(metas, sources, mapping, processes, process)
@@ -409,6 +403,18 @@ class M2NSender:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _one_server(servers: Servers) -> list[Any]:
+    """The one server's client (an M2N group is one deployment)."""
+    clients = as_clients(servers)
+    if len(clients) != 1:
+        for c in clients:
+            c.close()
+        raise TransferError(
+            f"an M2N group takes one vLLM server (one deployment), got {len(clients)}: make one "
+            "M2NSender per server")
+    return clients
 
 
 def _full(mapping: Mapping, path: Any, array: Any) -> np.ndarray:

@@ -290,70 +290,71 @@ class _Workers:
         return [a for _, a in answers]
 
 
-def _client(workers: _Workers, tp: int) -> Any:
-    state = SimpleNamespace(active=False, version="default", paused=False)
+class _Client:
+    """vLLM's engine client as the routes call it: the session rules of its
+    engine core, each RPC sent to every worker (``_Workers``)."""
 
-    async def rpc(method: str, *args: Any) -> list[Any]:
-        return await asyncio.to_thread(workers.call, method, *args)
+    def __init__(self, workers: _Workers, tp: int):
+        self.workers = workers
+        self.vllm_config = SimpleNamespace(parallel_config=_parallel_config(0, tp))
+        self.active, self.version, self.paused = False, "default", False
 
-    class Client:
-        vllm_config = SimpleNamespace(parallel_config=_parallel_config(0, tp))
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await asyncio.to_thread(self.workers.call, method, *args)
 
-        async def init_weight_transfer_engine(self, request: Any) -> None:
-            await rpc("init", request.init_info)
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self._rpc("init", request.init_info)
 
-        async def shutdown_weight_transfer_engine(self) -> None:
-            if state.active:
-                raise RuntimeError("cannot shut down during an active weight update")
-            await rpc("shutdown")
+    async def shutdown_weight_transfer_engine(self) -> None:
+        if self.active:
+            raise RuntimeError("cannot shut down during an active weight update")
+        await self._rpc("shutdown")
 
-        async def start_weight_update(self) -> None:
-            if state.active:
-                raise RuntimeError("start_weight_update called while an update is active")
-            state.active = True
-            await rpc("start")
+    async def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while an update is active")
+        self.active = True
+        await self._rpc("start")
 
-        async def update_weights(self, request: Any) -> None:
-            if not state.active:
-                raise RuntimeError("start_weight_update must be called before update_weights.")
-            info = request.update_info
-            try:
-                await rpc("update", info[0] if isinstance(info, list) else info)
-            except BaseException:
-                state.active = False  # vLLM drops the session without finishing it
-                raise
+    async def update_weights(self, request: Any) -> None:
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        info = request.update_info
+        try:
+            await self._rpc("update", info[0] if isinstance(info, list) else info)
+        except BaseException:
+            self.active = False  # vLLM drops the session without finishing it
+            raise
 
-        async def finish_weight_update(self, weight_version: str | None = None) -> None:
-            if not state.active:
-                raise RuntimeError("finish_weight_update called without a matching "
-                                   "start_weight_update")
-            await rpc("finish")
-            state.active = False
-            if weight_version is not None:
-                state.version = weight_version
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching "
+                               "start_weight_update")
+        await self._rpc("finish")
+        self.active = False
+        if weight_version is not None:
+            self.version = weight_version
 
-        async def get_weight_version(self) -> str:
-            await asyncio.to_thread(workers.idle)
-            return state.version
+    async def get_weight_version(self) -> str:
+        await asyncio.to_thread(self.workers.idle)
+        return self.version
 
-        async def is_paused(self) -> bool:
-            await asyncio.to_thread(workers.idle)
-            return state.paused
+    async def is_paused(self) -> bool:
+        await asyncio.to_thread(self.workers.idle)
+        return self.paused
 
-        async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-            state.paused = True
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.paused = True
 
-        async def resume_generation(self) -> None:
-            state.paused = False
+    async def resume_generation(self) -> None:
+        self.paused = False
 
-        async def collective_rpc(self, method: str, *a: Any, **k: Any) -> None:
-            if method == "reset_weights":
-                await rpc("reset")
+    async def collective_rpc(self, method: str, *a: Any, **k: Any) -> None:
+        if method == "reset_weights":
+            await self._rpc("reset")
 
-        async def compute_weight_checksums(self) -> list[dict[str, str]]:
-            return await rpc("checksums")
-
-    return Client()
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        return await self._rpc("checksums")
 
 
 def _app(client: Any, log: str) -> Any:
@@ -411,7 +412,7 @@ def main() -> None:
     workers = _Workers(len(gpus), opts, envs)
     import uvicorn
     print("READY", flush=True)
-    uvicorn.run(_app(_client(workers, len(gpus)), args.log), host="127.0.0.1", port=args.port,
+    uvicorn.run(_app(_Client(workers, len(gpus)), args.log), host="127.0.0.1", port=args.port,
                 log_level="warning")
 
 
