@@ -273,6 +273,49 @@ def _rank_error(rank: int, item: Mapping[str, Any], what: str) -> str | None:
     return f"rank {rank}: {error}"
 
 
+def _source_record(params: Sequence[M2NWireParam], expected_digest: str | None,
+                   local_error: str | None) -> dict[str, Any]:
+    error = _local(local_error, "TypeError: local source error must be a non-empty string")
+    digest, declared = None, expected_digest
+    if error is None:
+        try:
+            digest = source_plan_digest(params)
+            declared = digest if expected_digest is None else expected_digest
+            if not isinstance(declared, str) or not declared:
+                raise ValueError("declared source digest must be a non-empty string")
+        except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
+            error = _described(exc)
+    return {"phase": "source", "digest": digest, "declared_digest": declared, "error": error}
+
+
+def _source_entries(group: MetadataGroup,
+                    gathered: list[Any]) -> tuple[list[str], list[tuple[int, str, str]]]:
+    errors, agreed = _count_check(group, gathered), []
+    for rank, item in enumerate(gathered):
+        if not isinstance(item, Mapping) or set(item) != {"phase", "digest", "declared_digest", "error"}:
+            errors.append(f"rank {rank}: invalid source preflight envelope")
+        elif item["phase"] != "source":
+            errors.append(f"rank {rank}: invalid source preflight phase")
+        elif (entry := _rank_error(rank, item, "source preflight")) is not None:
+            errors.append(entry)
+        elif not all(isinstance(item[k], str) and item[k] for k in ("digest", "declared_digest")):
+            errors.append(f"rank {rank}: invalid source digest")
+        else:
+            agreed.append((rank, item["digest"], item["declared_digest"]))
+    return errors, agreed
+
+
+def _digest_mismatches(agreed: list[tuple[int, str, str]]) -> list[str]:
+    errors = []
+    for rank, computed, claimed in agreed:
+        if computed != claimed:
+            errors.append(f"rank {rank}: computed digest {computed} does not match declared "
+                          f"digest {claimed}")
+        if computed != agreed[0][1]:
+            errors.append(f"rank {rank}: source digest disagrees with rank 0")
+    return errors
+
+
 def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWireParam], deadline: Deadline,
                                 *, expected_digest: str | None = None,
                                 local_error: str | None = None) -> str:
@@ -296,44 +339,16 @@ def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWirePa
         GroupTimeout, GroupError: a rank did not publish in time, or sent
             what is not plain data.
     """
-    error = _local(local_error, "TypeError: local source error must be a non-empty string")
-    digest, declared = None, expected_digest
-    if error is None:
-        try:
-            digest = source_plan_digest(params)
-            declared = digest if expected_digest is None else expected_digest
-            if not isinstance(declared, str) or not declared:
-                raise ValueError("declared source digest must be a non-empty string")
-        except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
-            error = _described(exc)
-    gathered = group.all_gather_obj(
-        {"phase": "source", "digest": digest, "declared_digest": declared, "error": error},
-        deadline, what="record of the source-plan agreement")
-    errors, agreed = _count_check(group, gathered), []
-    for rank, item in enumerate(gathered):
-        if not isinstance(item, Mapping) or set(item) != {"phase", "digest", "declared_digest", "error"}:
-            errors.append(f"rank {rank}: invalid source preflight envelope")
-        elif item["phase"] != "source":
-            errors.append(f"rank {rank}: invalid source preflight phase")
-        elif (entry := _rank_error(rank, item, "source preflight")) is not None:
-            errors.append(entry)
-        elif not all(isinstance(item[k], str) and item[k] for k in ("digest", "declared_digest")):
-            errors.append(f"rank {rank}: invalid source digest")
-        else:
-            agreed.append((rank, item["digest"], item["declared_digest"]))
+    gathered = group.all_gather_obj(_source_record(params, expected_digest, local_error), deadline,
+                                    what="record of the source-plan agreement")
     prefix = "nccl_m2n source preflight rejected before NCCL init"
+    errors, agreed = _source_entries(group, gathered)
     if errors:
         raise _fail(prefix, errors)
-    canonical = agreed[0][1]
-    for rank, computed, claimed in agreed:
-        if computed != claimed:
-            errors.append(f"rank {rank}: computed digest {computed} does not match declared "
-                          f"digest {claimed}")
-        if computed != canonical:
-            errors.append(f"rank {rank}: source digest disagrees with rank 0")
+    errors = _digest_mismatches(agreed)
     if errors:
         raise _fail(prefix, errors)
-    return canonical
+    return agreed[0][1]
 
 
 def check_data_plane_agreement(group: MetadataGroup, unique_id_bytes: bytes | None, deadline: Deadline,
