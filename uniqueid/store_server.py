@@ -413,10 +413,13 @@ class StoreServer:
             except OSError:
                 pass
         elif isinstance(what, _Conn) and not what.closed:
-            if mask & selectors.EVENT_READ:
-                self._read(what)
-            if mask & selectors.EVENT_WRITE and not what.closed:
-                self._write(what)
+            try:
+                if mask & selectors.EVENT_READ:
+                    self._read(what)
+                if mask & selectors.EVENT_WRITE and not what.closed:
+                    self._write(what)
+            except Exception:  # noqa: BLE001 - whatever one peer caused ends its connection only
+                self._drop(what)
 
     def _accept(self) -> None:
         for _ in range(64):

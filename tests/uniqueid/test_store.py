@@ -165,7 +165,7 @@ def test_joined_counts_clients_given_a_world_size(server):
 
 def test_a_set_over_the_store_budget_is_refused_by_that_set(server):
     c = client(server)
-    with pytest.raises(StoreError, match="broke the connection"):
+    with pytest.raises(StoreError, match="connection to the metadata store at .* failed"):
         for i in range(8):
             c.set(f"big{i}", b"x" * 60000)  # 8 x 60 kB > 256 kB
     with pytest.raises(StoreError, match="is closed"):
