@@ -324,3 +324,18 @@ def test_the_server_binds_the_given_host_only():
         server.close()
     with pytest.raises(StoreError, match="cannot listen"):
         StoreServer("192.0.2.1")  # TEST-NET-1: not an address of this host
+
+
+def test_an_ipv6_host_is_served_on_that_address():
+    try:
+        server = StoreServer("::1")
+    except StoreError:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        assert server._listener.family == socket.AF_INET6
+        c = StoreClient("::1", server.port, deadline=Deadline(10))
+        c.set("k", b"v")
+        assert server.get("k", Deadline(1)) == b"v"
+        c.close()
+    finally:
+        server.close()
