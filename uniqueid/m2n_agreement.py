@@ -198,17 +198,22 @@ def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def source_plan_digest(params: Sequence[M2NWireParam]) -> str:
+def source_plan_digest(params: Sequence[M2NWireParam | Mapping[str, Any]]) -> str:
     """vLLM's ``source_plan_digest``: the init request's ``source_digest``.
 
     Args:
-        params: the ordered source plan.
+        params: the ordered source plan: ``M2NWireParam``s, or their wire
+            dicts (checked as vLLM's ``M2NWireParam.from_dict`` checks them).
 
     Returns:
-        The hex SHA-256 of ``{"schema_version": 2, "params": [...]}``.
+        The hex SHA-256 of ``{"schema_version": 2, "params": [...]}``
+        (sorted keys, no spaces).
+
+    Raises:
+        ValueError, TypeError: a wire dict vLLM would refuse, in its words.
     """
-    return _digest({"schema_version": M2N_WIRE_SCHEMA_VERSION,
-                    "params": [param.to_dict() for param in params]})
+    wire = [p if isinstance(p, M2NWireParam) else M2NWireParam.from_dict(p) for p in params]
+    return _digest({"schema_version": M2N_WIRE_SCHEMA_VERSION, "params": [p.to_dict() for p in wire]})
 
 
 def complete_plan_digest(source_digest: str, dst_mesh: M2NMesh,
@@ -273,7 +278,7 @@ def _rank_error(rank: int, item: Mapping[str, Any], what: str) -> str | None:
     return f"rank {rank}: {error}"
 
 
-def _source_record(params: Sequence[M2NWireParam], expected_digest: str | None,
+def _source_record(params: Sequence[M2NWireParam | Mapping[str, Any]], expected_digest: str | None,
                    local_error: str | None) -> dict[str, Any]:
     error = _local(local_error, "TypeError: local source error must be a non-empty string")
     digest, declared = None, expected_digest
@@ -316,7 +321,8 @@ def _digest_mismatches(agreed: list[tuple[int, str, str]]) -> list[str]:
     return errors
 
 
-def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWireParam], deadline: Deadline,
+def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWireParam | Mapping[str, Any]],
+                                deadline: Deadline,
                                 *, expected_digest: str | None = None,
                                 local_error: str | None = None) -> str:
     """vLLM's ``check_source_plan_agreement``: every rank entered with the
@@ -324,7 +330,8 @@ def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWirePa
 
     Args:
         group: the metadata group.
-        params: this rank's source plan.
+        params: this rank's source plan (``M2NWireParam``s or wire dicts;
+            one vLLM would refuse becomes this rank's error, sent to all).
         deadline: the whole agreement's.
         expected_digest: the digest this rank declared (the init
             request's ``source_digest``); the computed one by default.

@@ -170,6 +170,16 @@ def test_a_rank_joining_another_nccl_group_fails_the_data_plane_agreement(groups
     assert all(str(r).endswith("rank 2: NCCL data-plane identity disagrees") for r in results)
 
 
+def test_a_plan_given_as_wire_dicts_is_checked_and_a_bad_one_fails_every_rank(groups):
+    assert source_plan_digest([p.to_dict() for p in PARAMS]) == source_plan_digest(PARAMS)
+    bad = [PARAMS[0].to_dict(), {**PARAMS[1].to_dict(), "shape": [0]}]
+    results = on_all(groups(), lambda g: check_source_plan_agreement(
+        g, bad if g.rank == 2 else PARAMS, Deadline(20)))
+    assert [str(r) for r in results] == [
+        "nccl_m2n source preflight rejected before NCCL init: rank 2: ValueError: parameter 'b' shape "
+        "must contain positive integers"] * 3
+
+
 def test_the_wire_param_refuses_what_vllms_refuses():
     good = PARAMS[1].to_dict()
     assert M2NWireParam.from_dict(good) == PARAMS[1]
