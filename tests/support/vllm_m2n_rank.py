@@ -13,7 +13,8 @@ with the spec's inputs, printing one JSON line per step,
 ``data``, ``runtime``, ``placements`` (the rows
 ``publish_destination_placements`` broadcasts, as hex, over a stand-in
 communicator), ``complete``, ``exit`` (the process leaves at once, closing
-nothing: a rank that dies).
+nothing: a rank that dies). A line ``{"plans": [...]}`` instead runs vLLM's
+``validate_transfer_plan`` on each plan and reports the outcomes.
 
     python vllm_m2n_rank.py      (prints {"step": "ready"} once imported)
 """
@@ -86,12 +87,35 @@ def job(host, port, rank, world_size, spec):
         report(step, ok=result)
 
 
+def validate(plans):
+    """vLLM's ``validate_transfer_plan`` on each plan (no group): ``"ok"``
+    or what it raised, as its trainer would send it."""
+    outcomes = []
+    for plan in plans:
+        try:
+            metas = [m2n.M2NParamMeta(p["name"], getattr(torch, p["dtype_name"]), tuple(p["shape"]),
+                                      m2n.M2NLayout(m2n.M2NMesh(tuple(p["src_mesh_dims"]), 0),
+                                                    p["src_placements"]))
+                     for p in plan["params"]]
+            mesh = m2n.M2NMesh(tuple(plan["dst_dims"]), plan["rank_offset"])
+            rows = [None if r is None else tuple(r) for r in plan["placements"]]
+            m2n.validate_transfer_plan(metas, mesh, rows)
+            outcomes.append("ok")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes
+
+
 def main():
     report("ready")
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            job(request["host"], request["port"], request["rank"], request["world_size"], request["spec"])
+            if "plans" in request:
+                report("validate", ok=validate(request["plans"]))
+            else:
+                job(request["host"], request["port"], request["rank"], request["world_size"],
+                    request["spec"])
         finally:
             report("end")
 

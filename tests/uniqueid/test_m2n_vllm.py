@@ -27,6 +27,7 @@ from uniqueid.m2n_agreement import (
     decode_destination_placements,
     source_plan_digest,
 )
+from uniqueid.m2n_plan import validate_transfer_plan
 from uniqueid.metadata import GroupError, GroupTimeout, MetadataGroup
 
 from support.vllm_children import Child, interpreter
@@ -88,17 +89,17 @@ class Pool:
 
 
 class Worker:
-    """One vLLM worker's job on a pool process; its reports by step."""
+    """One job on a pool process (a worker's, or plans to validate); its
+    reports by step."""
 
-    def __init__(self, child, port, rank, world_size, spec):
+    def __init__(self, child, request):
         self.child = child
         self.reports = {}
         self.rows = Future()  # the hex rows it would broadcast, once it reaches that step
         self.done = threading.Event()  # its job ended and the process serves the next
         self.over = threading.Event()  # that, or the process ended
         self.joined = threading.Event()
-        child.proc.stdin.write(json.dumps({"host": HOST, "port": port, "rank": rank,
-                                           "world_size": world_size, "spec": spec}) + "\n")
+        child.proc.stdin.write(json.dumps(request) + "\n")
         child.proc.stdin.flush()
         threading.Thread(target=self._collect, daemon=True).start()
 
@@ -138,7 +139,9 @@ def cluster(pool):
         host = MetadataGroup.host(HOST, world_size)
         made["groups"].append(host)
         for i, spec in enumerate(specs):
-            made["workers"].append(Worker(pool.take(), host.store.port, trainers + i, world_size, spec))
+            job = {"host": HOST, "port": host.store.port, "rank": trainers + i, "world_size": world_size,
+                   "spec": spec}
+            made["workers"].append(Worker(pool.take(), job))
         ours = [host] + [MetadataGroup.join(HOST, host.store.port, r, world_size, deadline=Deadline(10))
                          for r in range(1, trainers)]
         made["groups"] += ours[1:]
@@ -278,3 +281,47 @@ def test_vllms_placement_rows_decode_to_what_the_workers_resolved(cluster):
     assert raw[2:4] == bytes([0xFE, 0xFE])  # REPLICATE - 1, int8
     with pytest.raises(ValueError, match="never sends"):
         decode_destination_placements(raw[:2] + bytes([0xFE, 0x00]) + raw[4:], 5)
+
+
+def plan_case(trainers=1, dst_dims=(1, 2), change=None, placements=None):
+    params, rows = plan(trainers)
+    if change:
+        params[change[0]] = {**params[change[0]], **change[1]}
+    return {"params": params, "dst_dims": list(dst_dims), "rank_offset": trainers,
+            "placements": rows if placements is None else placements}
+
+
+def ours(case):
+    try:
+        validate_transfer_plan([M2NWireParam.from_dict(p) for p in case["params"]],
+                               M2NMesh(dims=tuple(case["dst_dims"]), start_rank=case["rank_offset"]),
+                               [None if r is None else tuple(r) for r in case["placements"]])
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - compared with vLLM's
+        return f"{type(e).__name__}: {e}"
+
+
+def test_the_complete_plan_check_says_what_vllms_says(pool):
+    """``uniqueid.m2n_plan.validate_transfer_plan`` against vLLM's own, plan
+    by plan: the same verdict in the same words."""
+    cases = [
+        plan_case(),
+        plan_case(trainers=2),
+        plan_case(change=(1, {"dtype_name": "complex64"})),
+        plan_case(change=(1, {"shape": [2, 2, 2, 2]})),
+        plan_case(change=(0, {"src_placements": [2, -1]})),
+        plan_case(trainers=2, change=(1, {"shape": [3], "src_placements": [0, -1]})),
+        plan_case(change=(1, {"shape": [5]}), placements=[[-1, 0], [-1, 0], [-1, 2]]),
+        plan_case(dst_dims=(1, 128), change=(0, {"shape": [256, 4]})),  # fan-out 128 > 64
+        plan_case(trainers=64, change=(0, {"shape": [256, 4]})),  # fan-in 32 > 16
+        plan_case(placements=[[-1, 0]]),
+        plan_case(placements=[[-1, -1], None, None]),
+        plan_case(placements=[[0, -1], None, [-1, 1]]),
+    ]
+    worker = Worker(pool.take(), {"plans": cases})
+    try:
+        theirs = worker.finished()["validate"]["ok"]
+    finally:
+        pool.give_back(worker)
+    assert [ours(case) for case in cases] == theirs
+    assert theirs[0] == theirs[1] == "ok" and all(t != "ok" for t in theirs[2:-1]), theirs
