@@ -198,17 +198,22 @@ def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def source_plan_digest(params: Sequence[M2NWireParam]) -> str:
+def source_plan_digest(params: Sequence[M2NWireParam | Mapping[str, Any]]) -> str:
     """vLLM's ``source_plan_digest``: the init request's ``source_digest``.
 
     Args:
-        params: the ordered source plan.
+        params: the ordered source plan: ``M2NWireParam``s, or their wire
+            dicts (checked as vLLM's ``M2NWireParam.from_dict`` checks them).
 
     Returns:
-        The hex SHA-256 of ``{"schema_version": 2, "params": [...]}``.
+        The hex SHA-256 of ``{"schema_version": 2, "params": [...]}``
+        (sorted keys, no spaces).
+
+    Raises:
+        ValueError, TypeError: a wire dict vLLM would refuse, in its words.
     """
-    return _digest({"schema_version": M2N_WIRE_SCHEMA_VERSION,
-                    "params": [param.to_dict() for param in params]})
+    wire = [p if isinstance(p, M2NWireParam) else M2NWireParam.from_dict(p) for p in params]
+    return _digest({"schema_version": M2N_WIRE_SCHEMA_VERSION, "params": [p.to_dict() for p in wire]})
 
 
 def complete_plan_digest(source_digest: str, dst_mesh: M2NMesh,
@@ -273,7 +278,51 @@ def _rank_error(rank: int, item: Mapping[str, Any], what: str) -> str | None:
     return f"rank {rank}: {error}"
 
 
-def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWireParam], deadline: Deadline,
+def _source_record(params: Sequence[M2NWireParam | Mapping[str, Any]], expected_digest: str | None,
+                   local_error: str | None) -> dict[str, Any]:
+    error = _local(local_error, "TypeError: local source error must be a non-empty string")
+    digest, declared = None, expected_digest
+    if error is None:
+        try:
+            digest = source_plan_digest(params)
+            declared = digest if expected_digest is None else expected_digest
+            if not isinstance(declared, str) or not declared:
+                raise ValueError("declared source digest must be a non-empty string")
+        except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
+            error = _described(exc)
+    return {"phase": "source", "digest": digest, "declared_digest": declared, "error": error}
+
+
+def _source_entries(group: MetadataGroup,
+                    gathered: list[Any]) -> tuple[list[str], list[tuple[int, str, str]]]:
+    errors, agreed = _count_check(group, gathered), []
+    for rank, item in enumerate(gathered):
+        if not isinstance(item, Mapping) or set(item) != {"phase", "digest", "declared_digest", "error"}:
+            errors.append(f"rank {rank}: invalid source preflight envelope")
+        elif item["phase"] != "source":
+            errors.append(f"rank {rank}: invalid source preflight phase")
+        elif (entry := _rank_error(rank, item, "source preflight")) is not None:
+            errors.append(entry)
+        elif not all(isinstance(item[k], str) and item[k] for k in ("digest", "declared_digest")):
+            errors.append(f"rank {rank}: invalid source digest")
+        else:
+            agreed.append((rank, item["digest"], item["declared_digest"]))
+    return errors, agreed
+
+
+def _digest_mismatches(agreed: list[tuple[int, str, str]]) -> list[str]:
+    errors = []
+    for rank, computed, claimed in agreed:
+        if computed != claimed:
+            errors.append(f"rank {rank}: computed digest {computed} does not match declared "
+                          f"digest {claimed}")
+        if computed != agreed[0][1]:
+            errors.append(f"rank {rank}: source digest disagrees with rank 0")
+    return errors
+
+
+def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWireParam | Mapping[str, Any]],
+                                deadline: Deadline,
                                 *, expected_digest: str | None = None,
                                 local_error: str | None = None) -> str:
     """vLLM's ``check_source_plan_agreement``: every rank entered with the
@@ -281,7 +330,8 @@ def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWirePa
 
     Args:
         group: the metadata group.
-        params: this rank's source plan.
+        params: this rank's source plan (``M2NWireParam``s or wire dicts;
+            one vLLM would refuse becomes this rank's error, sent to all).
         deadline: the whole agreement's.
         expected_digest: the digest this rank declared (the init
             request's ``source_digest``); the computed one by default.
@@ -296,44 +346,16 @@ def check_source_plan_agreement(group: MetadataGroup, params: Sequence[M2NWirePa
         GroupTimeout, GroupError: a rank did not publish in time, or sent
             what is not plain data.
     """
-    error = _local(local_error, "TypeError: local source error must be a non-empty string")
-    digest, declared = None, expected_digest
-    if error is None:
-        try:
-            digest = source_plan_digest(params)
-            declared = digest if expected_digest is None else expected_digest
-            if not isinstance(declared, str) or not declared:
-                raise ValueError("declared source digest must be a non-empty string")
-        except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
-            error = _described(exc)
-    gathered = group.all_gather_obj(
-        {"phase": "source", "digest": digest, "declared_digest": declared, "error": error},
-        deadline, what="record of the source-plan agreement")
-    errors, agreed = _count_check(group, gathered), []
-    for rank, item in enumerate(gathered):
-        if not isinstance(item, Mapping) or set(item) != {"phase", "digest", "declared_digest", "error"}:
-            errors.append(f"rank {rank}: invalid source preflight envelope")
-        elif item["phase"] != "source":
-            errors.append(f"rank {rank}: invalid source preflight phase")
-        elif (entry := _rank_error(rank, item, "source preflight")) is not None:
-            errors.append(entry)
-        elif not all(isinstance(item[k], str) and item[k] for k in ("digest", "declared_digest")):
-            errors.append(f"rank {rank}: invalid source digest")
-        else:
-            agreed.append((rank, item["digest"], item["declared_digest"]))
+    gathered = group.all_gather_obj(_source_record(params, expected_digest, local_error), deadline,
+                                    what="record of the source-plan agreement")
     prefix = "nccl_m2n source preflight rejected before NCCL init"
+    errors, agreed = _source_entries(group, gathered)
     if errors:
         raise _fail(prefix, errors)
-    canonical = agreed[0][1]
-    for rank, computed, claimed in agreed:
-        if computed != claimed:
-            errors.append(f"rank {rank}: computed digest {computed} does not match declared "
-                          f"digest {claimed}")
-        if computed != canonical:
-            errors.append(f"rank {rank}: source digest disagrees with rank 0")
+    errors = _digest_mismatches(agreed)
     if errors:
         raise _fail(prefix, errors)
-    return canonical
+    return agreed[0][1]
 
 
 def check_data_plane_agreement(group: MetadataGroup, unique_id_bytes: bytes | None, deadline: Deadline,

@@ -160,10 +160,16 @@ class MetadataGroup:
 
         Raises:
             StoreError: the address cannot be bound.
+            ValueError: ``world_size`` is below 1.
         """
         server = StoreServer(host, port, limits=limits)
-        server.join()
-        return cls(server, 0, world_size, describe=describe)
+        try:
+            group = cls(server, 0, world_size, describe=describe)
+            server.join()
+        except BaseException:
+            server.close()
+            raise
+        return group
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, deadline: Deadline,
@@ -183,7 +189,10 @@ class MetadataGroup:
 
         Raises:
             StoreTimeout: the store could not be reached in time.
+            ValueError: ``rank`` is not in [1, world_size).
         """
+        if not 0 < rank < world_size:
+            raise ValueError(f"a joining rank is in [1, world_size={world_size}), got {rank}")
         client = StoreClient(host, port, deadline=deadline, world_size=world_size)
         return cls(client, rank, world_size, describe=describe)
 
@@ -194,6 +203,10 @@ class MetadataGroup:
             obj: plain data.
             dst: the destination rank.
             deadline: bounds the store call.
+
+        Raises:
+            GroupError: the store refused it or went away.
+            ValueError: ``dst`` is not a rank of the group.
         """
         self._check_rank(dst)
         self._publish(f"send_to/{dst}/{self.send_dst_counter[dst]}", obj, deadline)
@@ -293,8 +306,8 @@ class MetadataGroup:
         return obj
 
     def _publish(self, key: str, obj: Any, deadline: Deadline | None) -> None:
-        self._expire(deadline)
         try:
+            self._expire(deadline)
             self.store.set(key, pickle.dumps(obj), deadline)
         except StoreError as e:
             raise GroupError(f"{self.describe(self.rank)} could not publish to the metadata "

@@ -249,13 +249,13 @@ class StoreClient:
                                "the deadline") from None
         except (OSError, _Broken) as e:
             self._break(str(e) or type(e).__name__)
-            raise StoreError(f"the metadata store at {self._where()} broke the connection: "
+            raise StoreError(f"the connection to the metadata store at {self._where()} failed: "
                              f"{self._broken}") from None
         finally:
             self._lock.release()
 
     def _break(self, why: str) -> None:
-        self._broken = why
+        self._broken = self._broken or why  # the first reason (a close() from another thread)
         self._sock.close()
 
     def _where(self) -> str:

@@ -183,11 +183,13 @@ class StoreServer:
             raise ValueError("StoreServer needs the host address to listen on")
         self.limits = limits or StoreLimits()
         try:
-            self._listener = socket.create_server((host, port), backlog=128)
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
         except OSError as e:
             raise StoreError(f"cannot listen on {host}:{port} for the metadata store: {e}; "
                              "pick another port or an address of this host") from None
         self.host = host
+        self._port = self._listener.getsockname()[1]
         self._listener.setblocking(False)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -209,7 +211,7 @@ class StoreServer:
     @property
     def port(self) -> int:
         """The port it listens on (the one picked for ``port=0``)."""
-        return self._listener.getsockname()[1]
+        return self._port
 
     def connections(self) -> int:
         """Open connections now (for tests and diagnostics).
@@ -413,10 +415,13 @@ class StoreServer:
             except OSError:
                 pass
         elif isinstance(what, _Conn) and not what.closed:
-            if mask & selectors.EVENT_READ:
-                self._read(what)
-            if mask & selectors.EVENT_WRITE and not what.closed:
-                self._write(what)
+            try:
+                if mask & selectors.EVENT_READ:
+                    self._read(what)
+                if mask & selectors.EVENT_WRITE and not what.closed:
+                    self._write(what)
+            except Exception:  # noqa: BLE001 - whatever one peer caused ends its connection only
+                self._drop(what)
 
     def _accept(self) -> None:
         for _ in range(64):
