@@ -62,16 +62,13 @@ from .m2n_agreement import (
     check_source_plan_agreement,
     decode_destination_placements,
 )
-from .m2n_wire import M2NInitInfo, check_destinations
+from .m2n_plan import MAX_DEST_SHARDS, validate_transfer_plan
+from .m2n_wire import M2NInitInfo
 from .metadata import MetadataGroup
 from .rendezvous import release_all
 
 log = logging.getLogger("uniqueid")
 
-# One M2N reshard fans a source shard out to at most this many destination
-# shards (libnccl_m2n's MAX_TARGETS): a server's tensor-parallel size past it
-# cannot take a sharded destination.
-MAX_DEST_SHARDS = 64
 
 
 class M2NJoiner(Protocol):
@@ -321,16 +318,16 @@ class _Join:
         """The first worker's placements (over NCCL), checked by every rank together."""
         info, n = self.info, len(self.info.params)
         raw = self.joiner.placements(plane.comm, 2 * n, info.rank_offset, self.deadline.left())
+        mesh = M2NMesh(dims=info.dst_mesh_dims, start_rank=info.rank_offset)
         placements: list[Placements | None] = []
         failed = None
         try:
             placements = decode_destination_placements(raw, n)
-            check_destinations(info.params, info.dst_mesh_dims, placements)
-        except ValueError as e:
+            validate_transfer_plan(info.params, mesh, placements)
+        except (ValueError, TypeError) as e:  # every rank hears it, and all stop
             failed = _error(e)
-        check_complete_plan_agreement(self.group, digest,
-                                      M2NMesh(dims=info.dst_mesh_dims, start_rank=info.rank_offset),
-                                      placements, self.deadline, local_error=failed)
+        check_complete_plan_agreement(self.group, digest, mesh, placements, self.deadline,
+                                      local_error=failed)
         return placements
 
 

@@ -1,8 +1,6 @@
 """The init payload of vLLM's ``nccl_m2n`` backend, as vLLM 0.33.0's own
 M2N trainer sends it (``M2NTrainerWeightTransferEngine._worker_init_info``),
-and the trainer's local checks of the destination plan (``m2n_common``'s
-``validate_transfer_plan``), to the byte. The plan's records and digests
-are ``m2n_agreement.py``'s.
+to the byte. The plan's records and digests are ``m2n_agreement.py``'s.
 
 The whole plan travels once, at init: per parameter its name, dtype, shape
 and the trainer's layout (``src_mesh_dims``, ``src_placements``), with a
@@ -13,20 +11,13 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .codec import UniqueId
-from .m2n_agreement import (
-    M2N_WIRE_SCHEMA_VERSION,
-    REPLICATE,
-    M2NWireParam,
-    Placements,
-    source_plan_digest,
-)
+from .m2n_agreement import M2N_WIRE_SCHEMA_VERSION, M2NWireParam, source_plan_digest
 
-__all__ = ["M2NInitInfo", "M2NWireParam", "check_destinations", "local_shape"]
+__all__ = ["M2NInitInfo", "M2NWireParam"]
 
 
 @dataclass(kw_only=True)
@@ -81,45 +72,3 @@ class M2NInitInfo:
             "max_cta": self.max_cta,
         }
         return {k: v for k, v in payload.items() if v is not None}
-
-
-def local_shape(shape: Sequence[int], mesh: tuple[int, int],
-                placements: Placements | None) -> tuple[int, ...]:
-    """A rank's block of a tensor of ``shape`` laid out so (vLLM's
-    ``validate_layout``); None placements: the whole tensor.
-
-    Raises:
-        ValueError: a placement past the tensor's dimensions, or a split
-            that does not divide evenly.
-    """
-    out = list(shape)
-    for axis, dim in enumerate(placements or ()):
-        if dim == REPLICATE:
-            continue
-        if dim >= len(shape) or shape[dim] % mesh[axis]:
-            raise ValueError(f"dimension {dim} of {tuple(shape)} cannot be split over "
-                             f"{mesh[axis]} ranks")
-        out[dim] //= mesh[axis]
-    return tuple(out)
-
-
-def check_destinations(params: Sequence[M2NWireParam], dst_mesh: tuple[int, int],
-                       dst_placements: Sequence[Placements | None]) -> None:
-    """The checks vLLM's ``validate_transfer_plan`` runs on the destination
-    side, so the trainer refuses (at the complete-plan agreement, with every
-    rank) a plan the workers would refuse too.
-
-    Raises:
-        ValueError: a count or a placement vLLM refuses.
-    """
-    if len(dst_placements) != len(params):
-        raise ValueError(f"destination plan has {len(dst_placements)} parameters, expected "
-                         f"{len(params)}")
-    for p, placement in zip(params, dst_placements):
-        if placement is None:
-            continue
-        sharded = [d for d in placement if d != REPLICATE]
-        if len(sharded) != 1 or any(d < REPLICATE for d in placement):
-            raise ValueError(f"parameter '{p.name}' destination placements {placement} are "
-                             "not one shard axis and one replicate axis")
-        local_shape(p.shape, dst_mesh, placement)

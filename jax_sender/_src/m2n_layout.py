@@ -30,21 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nccl_cffi.m2n import MAX_TENSOR_DIMS, REPLICATE
+from uniqueid.m2n_agreement import MAX_TENSOR_DIMS, REPLICATE
+from uniqueid.m2n_plan import MAX_SOURCE_SHARDS, SUPPORTED_DTYPE_NAMES
 
 from .errors import MetadataError
 
 Box = tuple[tuple[int, int], ...]  # per tensor dimension, [start, stop)
-
-# nccl_m2n's copy/staging path feeds at most this many source shards into one
-# destination shard (its MAX_SOURCES; vLLM's MAX_SOURCE_SHARDS), and fans one
-# source shard out to at most this many destination shards (MAX_TARGETS).
-MAX_SOURCE_SHARDS = 16
-MAX_DEST_SHARDS = 64
-
-# The dtypes nccl_m2n moves (vLLM's SUPPORTED_DTYPES, by torch name).
-M2N_DTYPES = ("int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float16", "bfloat16", "int32",
-              "uint32", "float32", "int64", "uint64", "float64")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,14 +62,6 @@ class SourceLayout:
             return 1
         return next(self.mesh[a] for a, p in enumerate(self.placements) if p != REPLICATE)
 
-    def resolved(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The mesh and placements handed to the library: a replicated
-        tensor is a shard of dimension 0 over a size-1 axis of the same
-        ranks (``(T, 1)``, vLLM's ``resolve_layout``), since M2N has no
-        "replicate on both axes"."""
-        if self.placements is None:
-            return (self.mesh[0] * self.mesh[1], 1), (REPLICATE, 0)
-        return self.mesh, self.placements
 
 
 def check_tensor(name: str, dtype: str, shape: tuple[int, ...]) -> None:
@@ -87,9 +70,9 @@ def check_tensor(name: str, dtype: str, shape: tuple[int, ...]) -> None:
     Raises:
         MetadataError: a dtype it does not move, or not 1 to 3 dimensions.
     """
-    if dtype not in M2N_DTYPES:
-        raise MetadataError(f"{name!r} has dtype {dtype}, which NCCL M2N does not move "
-                            f"(it moves {', '.join(M2N_DTYPES)}): cast it in the transform")
+    if dtype not in SUPPORTED_DTYPE_NAMES:
+        raise MetadataError(f"{name!r} has dtype {dtype}, which NCCL M2N does not move (it moves "
+                            f"{', '.join(sorted(SUPPORTED_DTYPE_NAMES))}): cast it in the transform")
     if not 1 <= len(shape) <= MAX_TENSOR_DIMS:
         raise MetadataError(
             f"{name!r} has {len(shape)} dimensions {shape}, but NCCL M2N moves tensors of 1 to "

@@ -36,8 +36,8 @@ import numpy as np
 from nccl_cffi import NCCL_TYPES, Deadline, poll_until
 from nccl_cffi.m2n import DistTensor
 from uniqueid import RendezvousError, as_clients
-from uniqueid.m2n_agreement import REPLICATE, M2NWireParam
-from uniqueid.m2n_wire import local_shape
+from uniqueid.m2n_agreement import REPLICATE, M2NMesh, M2NWireParam
+from uniqueid.m2n_plan import resolve_layout, validate_layout
 
 from .config import SendConfig
 from .describe import Descriptions, Sources, readiness
@@ -106,16 +106,17 @@ def reshard_parts(tensors: Sequence[_Tensor], destinations: Sequence[Any], *,
     (the pointer filled per push), the workers' side (placements resolved
     as vLLM resolves them: replicated is a shard over a size-1 axis)."""
     parts = []
-    workers = dst_mesh[0] * dst_mesh[1]
     for t, placement in zip(tensors, destinations):
-        code = NCCL_TYPES[t.meta.dtype][0]
-        mesh, plc = t.layout.resolved()
-        dmesh, dplc = ((workers, 1), (REPLICATE, 0)) if placement is None else (dst_mesh, placement)
-        src = DistTensor(ptr=0, local_shape=t.layout.local_shape, dtype=code, mesh=mesh,
-                         start_rank=0, placements=plc)
-        dst = DistTensor(ptr=0, local_shape=local_shape(t.meta.shape, dmesh, dplc), dtype=code,
-                         mesh=dmesh, start_rank=trainer_ranks, placements=dplc)
-        parts.append(ReshardPart(name=t.meta.name, src=src, dst=dst,
+        code, name = NCCL_TYPES[t.meta.dtype][0], t.meta.name
+        smesh, splc = resolve_layout(M2NMesh(dims=t.layout.mesh, start_rank=0),
+                                     t.layout.placements, name)
+        dmesh, dplc = resolve_layout(M2NMesh(dims=dst_mesh, start_rank=trainer_ranks),
+                                     placement, name)
+        src = DistTensor(ptr=0, local_shape=t.layout.local_shape, dtype=code, mesh=smesh.dims,
+                         start_rank=0, placements=splc)
+        dst = DistTensor(ptr=0, local_shape=validate_layout(dmesh, dplc, t.meta.shape, name),
+                         dtype=code, mesh=dmesh.dims, start_rank=trainer_ranks, placements=dplc)
+        parts.append(ReshardPart(name=name, src=src, dst=dst,
                                  nbytes=t.meta.nbytes // t.layout.shards))
     return parts
 

@@ -33,7 +33,6 @@ def _rows(shape, slices, order):
 def test_every_process_holding_the_whole_tensor_is_replicated():
     layout = source_layout("w", (8, 6), [((0, 8), (0, 6))] * 4)
     assert (layout.mesh, layout.placements, layout.local_shape) == ((4, 1), None, (8, 6))
-    assert layout.resolved() == ((4, 1), (R, 0))  # M2N's encoding of "replicated"
     assert layout.shards == 1
 
 
