@@ -196,3 +196,50 @@ def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1, worker
                                       sparse=kind is SparseSender)
     sender, caster = sender_on(route, wire, delay_s=delay_s, kind=kind, **kwargs)
     return sender, hosts, caster
+
+
+class NullBroadcaster:
+    """A data plane that moves nothing: each broadcast reads its arrays (the
+    sender's own work) and ends at once. For the fleet bench and tests,
+    whose do-nothing servers (``support.idle_servers``) receive nothing."""
+
+    started = host_s = link_s = 0.0
+    link_bytes = 0
+
+    def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
+        for c in chunks:
+            for i in range(c.start, c.stop):
+                get(i)
+            check()
+
+    def produced(self, chunks, make, root, *, timeout, check, reuse=False) -> None:
+        for k in range(len(chunks)):
+            make(k, None)
+            check()
+
+    def unpacked(self, metas, get, root, *, timeout, check) -> None:
+        for i in range(len(metas)):
+            get(i)
+            check()
+
+    def scratch(self, parts, root, *, timeout, check, fill=None) -> None:
+        check()
+
+    def complete(self, parts, root, *, timeout, check, fill=None) -> None:
+        check()
+
+    def close(self) -> None:
+        pass
+
+
+def null_sender(urls: list[str], config: SendConfig = SendConfig()) -> WeightSender:
+    """A ``WeightSender`` on JAX's first CPU device, its group formed through
+    the real ``uniqueid.connect`` with the servers at ``urls`` (their clients
+    made here, as ``WeightSender.connect`` makes them), over ``MemoryJoin``
+    and a ``NullBroadcaster``."""
+    from uniqueid import as_clients
+    route = SingleProcess(clients=as_clients(urls), device=0, config=config,
+                          joiner=MemoryJoin())
+    session = Session(route, route.form(config.init_timeout_s), config,
+                      broadcaster=lambda _: NullBroadcaster())
+    return WeightSender(session, device=jax.devices("cpu")[0])
