@@ -186,20 +186,22 @@ def ms(seconds: float) -> str:
 
 
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Least squares of the median push (ms) against the servers: (fixed, per server)."""
-    xs = [r["servers"] for r in rows]
-    ys = [statistics.median(r["push_s"]) * 1e3 for r in rows]
-    if len(set(xs)) < 2:
-        return ys[0], 0.0
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
+    """The median push (ms) at the fewest servers, and what each server past
+    them added on the way to the most: (fixed, per server)."""
+    by = sorted(rows, key=lambda r: r["servers"])
+    first, last = by[0], by[-1]
+    at = lambda r: statistics.median(r["push_s"]) * 1e3  # noqa: E731
+    if last["servers"] == first["servers"]:
+        return at(first), 0.0
+    return at(first), (at(last) - at(first)) / (last["servers"] - first["servers"])
 
 
 def cost_line(label: str, data: dict[str, Any], workers: int) -> str:
     rows = [r for r in data["rows"] if r["workers"] == workers]
     fixed, per = fit(rows)
-    return f"{label} ({data.get('commit') or 'unknown'}): {fixed:.1f} + {per:.2f} x N ms"
+    n = min(r["servers"] for r in rows)
+    return (f"{label} ({data.get('commit') or 'unknown'}): {fixed:.1f} ms at {n}, "
+            f"+ {per:.2f} ms a server")
 
 
 def table(data: dict[str, Any]) -> str:
