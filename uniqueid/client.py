@@ -312,7 +312,7 @@ class VLLMClient:
             return await transport.within(seconds, self._send(method, target, json, seconds))
         except transport.Expired:
             raise VLLMTimeout(
-                f"{where}: no answer within the timeout of {seconds:g} s for the whole call; the "
+                f"{where}: no answer within the timeout of {round(seconds, 3):g} s for the whole call; the "
                 "server may be stuck (e.g. its workers inside an NCCL call whose peer left, "
                 "where vLLM sets no deadline): check its log and restart it, or give the call "
                 "a longer timeout", route) from None

@@ -167,9 +167,10 @@ class Calls(Generic[T]):
                 if not d or isinstance(e, (VLLMConnectionError, asyncio.CancelledError))]
 
     @staticmethod
-    def named(clients: Sequence[VLLMClient]) -> str:
-        """The servers' URLs, for a message (the first few, and how many more)."""
-        urls = [c.base_url for c in clients]
+    def named(clients: Sequence[VLLMClient], route: str = "") -> str:
+        """The servers' URLs (each followed by ``route``), for a message: the
+        first four, and how many more."""
+        urls = [c.base_url + route for c in clients]
         return ", ".join(urls[:4]) + (f" and {len(urls) - 4} more" if len(urls) > 4 else "")
 
 

@@ -408,7 +408,8 @@ class Session:
                   pending: PendingSend, t0: float) -> SendStats:
         lane, control = Lane(), ControlPlane(conn.clients, push.timeout_s)
         late, self._late_pause = self._late_pause, []
-        best_effort(functools.partial(c.resume, timeout=push.timeout_s) for c in late)
+        if late:
+            best_effort([functools.partial(control.resume, late)])
         tx = Transaction(push, control, broadcaster, lane,
                          check=self._checker(pending, conn, push.timeout_s))
         try:
