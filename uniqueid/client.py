@@ -51,6 +51,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 # The most of a server's text an error message quotes (after redaction).
 _QUOTE_CHARS = 1000
+_HEADS_KEPT = 32  # requests' heads kept per client (see VLLMClient._head)
 _NOT_VLLM = ("vLLM answers every route with a JSON object, so check that the URL is the vLLM "
              "server itself (not a proxy, a login page or another service)")
 
@@ -239,6 +240,7 @@ class VLLMClient:
         self._headers = [(b"Host", parts.netloc.rpartition("@")[2].encode("idna")),
                          *self._merge_headers(api_key, headers or {})]
         self._pool = transport.Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
+        self._heads: dict[tuple[Any, ...], h11.Request] = {}  # see _head; the loop's only
         self._closed = False
 
     @staticmethod
@@ -333,18 +335,31 @@ class VLLMClient:
 
     async def _send(self, method: str, target: str, json: Any,
                     seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        headers, body = list(self._headers), None
+        body = None
         if json is not None:
             body = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
                                  allow_nan=False).encode()
-            headers.append((b"Content-Type", b"application/json"))
         elif method.upper() != "GET":
             body = b""  # Content-Length: 0, which some proxies insist on
-        if body is not None:
-            headers.append((b"Content-Length", str(len(body)).encode()))
-        request = h11.Request(method=method, target=target, headers=headers)
-        return await self._pool.exchange(request, body, max_body=self.max_body_bytes,
+        return await self._pool.exchange(self._head(method, target, json is not None, body),
+                                         body, max_body=self.max_body_bytes,
                                          connect_timeout=min(self.connect_timeout, seconds))
+
+    def _head(self, method: str, target: str, is_json: bool, body: bytes | None) -> h11.Request:
+        """The request's line and headers, kept per route and body length:
+        h11 checks every header of a request it is given, which was a fifth
+        of a fleet's push (the same few requests, over and over)."""
+        key = (method, target, is_json, None if body is None else len(body))
+        if key not in self._heads:
+            headers = list(self._headers)
+            if is_json:
+                headers.append((b"Content-Type", b"application/json"))
+            if body is not None:
+                headers.append((b"Content-Length", str(len(body)).encode()))
+            if len(self._heads) >= _HEADS_KEPT:
+                self._heads.clear()
+            self._heads[key] = h11.Request(method=method, target=target, headers=headers)
+        return self._heads[key]
 
     def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
         return VLLMProtocolError(

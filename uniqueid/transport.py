@@ -212,6 +212,8 @@ class Connection(asyncio.Protocol):
         self.peer_closed = False
         self.idle_since = time.monotonic()
         self._arrived: asyncio.Future[None] | None = None  # woken by data or EOF
+        self._unread = 0  # bytes given to h11 that the exchange has not asked for yet
+        self._paused = False
 
     # The loop's calls.
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -225,7 +227,10 @@ class Connection(asyncio.Protocol):
             self.h11.receive_data(data)
         except RuntimeError:  # after an error h11 takes nothing more; the exchange reports it
             return
-        self.transport.pause_reading()  # until the exchange took it: the body stays bounded
+        self._unread += len(data)
+        if self._unread > READ_BYTES and not self._paused:  # until the exchange took it
+            self._paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -276,10 +281,14 @@ class Connection(asyncio.Protocol):
         """
         self._arrived = asyncio.get_running_loop().create_future()
         try:
-            self.transport.write(self.h11.send(request))
-            if body:
-                self.transport.write(self.h11.send(h11.Data(data=body)))
-            self.transport.write(self.h11.send(h11.EndOfMessage()))
+            head = self.h11.send(request)
+            data = self.h11.send(h11.Data(data=body)) if body else b""
+            end = self.h11.send(h11.EndOfMessage())
+            if len(data) > READ_BYTES:  # a large body goes as it is, not copied into one
+                for part in (head, data, end):
+                    self.transport.write(part)
+            else:
+                self.transport.write(head + data + end)  # one write: one syscall
             response = await self._next(h11.Response)
             raw = bytearray()
             while not isinstance(event := await self._next((h11.Data, h11.EndOfMessage)),
@@ -302,7 +311,10 @@ class Connection(asyncio.Protocol):
                 if self.peer_closed:
                     raise PeerClosed()
                 self._arrived = asyncio.get_running_loop().create_future()
-                self.transport.resume_reading()
+                self._unread = 0
+                if self._paused:
+                    self._paused = False
+                    self.transport.resume_reading()
                 await self._arrived
             elif isinstance(event, kinds):
                 return event
