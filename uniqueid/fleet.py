@@ -175,22 +175,25 @@ class Calls(Generic[T]):
 
 
 def on_each(clients: Sequence[VLLMClient], route: Callable[..., Any], *args: Any,
-            deadline: Deadline, **kwargs: Any) -> Calls[Any]:
+            deadline: Deadline, timeout: float | None = None, **kwargs: Any) -> Calls[Any]:
     """``route`` (a ``VLLMClient`` route, e.g. ``VLLMClient.start_weight_update``)
     with the same arguments on every server, all at once.
 
     Args:
         clients: the servers.
         route: the route.
-        *args, **kwargs: its arguments, but ``timeout``.
+        *args, **kwargs: its arguments.
         deadline: bounds every call.
+        timeout: each call's own deadline in seconds (the phase's, as its
+            errors will say); None: what is left of ``deadline`` as it starts.
 
     Returns:
         The calls, in flight.
     """
     coroutine = route.coroutine  # type: ignore[attr-defined]
-    return Calls(clients, lambda i, left: coroutine(clients[i], *args, timeout=left, **kwargs),
-                 deadline=deadline)
+    return Calls(clients, lambda i, left: coroutine(
+        clients[i], *args, timeout=left if timeout is None else timeout, **kwargs),
+        deadline=deadline)
 
 
 def call_all(clients: Sequence[VLLMClient], route: Callable[..., Any], *args: Any,

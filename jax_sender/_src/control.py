@@ -31,6 +31,13 @@ class ControlPlane:
         self.left_open = False  # a failed start may have left a server inside a session
         self.late_pause: list[VLLMClient] = []  # paused without answering: may pause late
 
+    def _calls(self, route: Callable[..., Any], *args: Any,
+               clients: Sequence[VLLMClient] | None = None) -> Calls[Any]:
+        """``route`` on every server (or ``clients``) at once, in flight: a
+        phase, ``timeout_s`` for every call, all made at once."""
+        return on_each(self.clients if clients is None else clients, route, *args,
+                       deadline=Deadline(self.timeout_s), timeout=self.timeout_s)
+
     def _settle(self, calls: Calls[Any]) -> None:
         """Wait for every call of ``calls``, then raise its first failure."""
         calls.wait()
@@ -43,7 +50,7 @@ class ControlPlane:
         whether every one answered with success."""
         if not clients:
             return True
-        calls = on_each(clients, route, *args, deadline=Deadline(self.timeout_s))
+        calls = self._calls(route, *args, clients=clients)
         with contextlib.suppress(RendezvousError):
             calls.wait()
         return calls.first is None and not calls.pending()
@@ -55,7 +62,7 @@ class ControlPlane:
         Raises:
             RendezvousError: the first server that failed, once all answered.
         """
-        calls = on_each(self.clients, VLLMClient.pause, mode, deadline=Deadline(self.timeout_s))
+        calls = self._calls(VLLMClient.pause, mode)
         try:
             self._settle(calls)
         except BaseException:
@@ -70,16 +77,14 @@ class ControlPlane:
         Raises:
             RendezvousError: the first server that failed, once all answered.
         """
-        self._settle(on_each(self.clients if clients is None else clients, VLLMClient.resume,
-                             deadline=Deadline(self.timeout_s)))
+        self._settle(self._calls(VLLMClient.resume, clients=clients))
 
     def start(self) -> None:
         """``/start_weight_update`` everywhere; on a failure, the sessions
         that started are finished again. ``left_open`` says whether a server
         may still be inside one: a start that went unanswered (it may land
         late), or a finish of the cleanup that failed."""
-        calls = on_each(self.clients, VLLMClient.start_weight_update,
-                        deadline=Deadline(self.timeout_s))
+        calls = self._calls(VLLMClient.start_weight_update)
         try:
             self._settle(calls)
         except BaseException:  # no server is left inside an open session
@@ -95,7 +100,7 @@ class ControlPlane:
         measured where it is made (as vLLM's torch engine is timed), so no
         handoff between threads is counted in it."""
         return on_each(self.clients, VLLMClient.update_weights, payload,
-                       deadline=Deadline(timeout_s))
+                       deadline=Deadline(timeout_s), timeout=timeout_s)
 
     def finish(self, weight_version: str | None) -> None:
         """``/finish_weight_update`` on every server at once.
@@ -103,8 +108,7 @@ class ControlPlane:
         Raises:
             RendezvousError: the first server that failed, once all answered.
         """
-        self._settle(on_each(self.clients, VLLMClient.finish_weight_update, weight_version,
-                             deadline=Deadline(self.timeout_s)))
+        self._settle(self._calls(VLLMClient.finish_weight_update, weight_version))
 
 
 def best_effort(calls: Iterable[Callable[[], Any]]) -> None:
