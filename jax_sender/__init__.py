@@ -21,13 +21,13 @@ _EXPORTS = {
     "plan_chunks": "plan", "wire_order": "plan",
     "PendingSend": "session", "SendStats": "stats", "describe": "describe",
     "VerifyResult": "sender", "WeightSender": "sender",
-    "SparseSender": "sparse_sender",
+    "SparseSender": "sparse_sender", "DroppedServer": "fleet",
     "TUNIX_LLAMA3": "zoo", "TUNIX_QWEN2": "zoo", "TUNIX_QWEN3": "zoo", "MAXTEXT_LLAMA31": "zoo",
     "MAXTEXT_QWEN3": "zoo", "tunix_llama3": "zoo", "tunix_qwen2": "zoo", "tunix_qwen3": "zoo",
     "maxtext_llama31": "zoo", "maxtext_qwen3": "zoo",
 }
 __all__ = [
-    "LLAMA", "WIRE_DTYPES", "Chunk", "GatherTimeout", "LoadPlan", "Mapping", "MetadataError",
+    "LLAMA", "WIRE_DTYPES", "Chunk", "DroppedServer", "GatherTimeout", "LoadPlan", "Mapping", "MetadataError",
     "PendingSend", "SendConfig", "SendError", "SendStats", "SenderClosed",
     "SparseSender", "TensorMeta", "TransferError", "UpdateIncomplete", "VerifyResult",
     "WeightSender", "describe", "flatten", "llama_name", "llama_transform", "named_arrays",
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         TransferError,
         UpdateIncomplete,
     )
+    from ._src.fleet import DroppedServer
     from ._src.naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
     from ._src.plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
     from ._src.sender import VerifyResult, WeightSender
