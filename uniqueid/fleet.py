@@ -97,6 +97,9 @@ class Calls(Generic[T]):
         self.done[i] = True
         self._left -= 1
         if not self._left:
+            # Dropped here: a task freed on the caller's thread costs it a
+            # call per server (asyncio's registry of tasks is a WeakSet).
+            self._tasks = []
             if not self.settled.done():
                 self.settled.set_result(None)
             self.ended.set_result(None)
@@ -148,7 +151,7 @@ class Calls(Generic[T]):
         def stop() -> None:
             for task in self._tasks:
                 task.cancel()
-        if self._tasks or self._left:
+        if self._left:
             transport.loop().call_soon_threadsafe(stop)
 
     def succeeded(self) -> list[VLLMClient]:

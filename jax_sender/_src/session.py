@@ -587,10 +587,14 @@ class Session:
             if joining is not None:
                 self._take_in(*joining, deadline)
             self.broken = self.broken or "reconnecting"
-            released = self._let_go(deadline)
+            # Half the deadline for the releases: a stuck server must leave
+            # time to form the group with the others (drop_dead).
+            released = self._let_go(Deadline(self.config.reconnect_timeout_s / 2))
             dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=leaving)
             self.connection = self.route.form(deadline.left())
             self.broken = ""
+            if joining is not None:
+                self._reset(aborted=True)  # the server taken in holds weights of its own
             return dropped
 
     def _take_in(self, client: VLLMClient, workers: int | None, deadline: Deadline) -> None:

@@ -149,7 +149,8 @@ class SparseSender:
         return stats
 
     def _forget(self, aborted: bool) -> None:
-        """A push aborted mid-stream may have changed some of the weights."""
+        """A push aborted mid-stream may have changed some of the weights; a
+        server added holds weights of its own."""
         self._unknown = self._unknown or aborted
 
     def _previous(self, previous: Any, metas: list[TensorMeta], tolerance: float | None,
@@ -163,8 +164,8 @@ class SparseSender:
         if self._unknown:
             raise MetadataError(
                 "the servers may hold an incomplete update (the last push failed after it "
-                "started), so what they hold is unknown: send(params, None) pushes every "
-                "element and repairs it")
+                "started), or a server added holds weights of its own, so what they hold is "
+                "unknown: send(params, None) pushes every element and repairs it")
         before, old_sources = describe(previous, self.mapping)
         check_against(before, metas)
         return self._place.getter(before, old_sources)[0]
