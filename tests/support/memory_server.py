@@ -306,6 +306,11 @@ class MemoryServer:
         self._rpc = threading.Lock()
         self._state = threading.Lock()  # the log, pause flag, weight version, connections
         self._connections: set[socket.socket] = set()
+        self.http, self.url = serve(self._handler(), port)
+
+    def _handler(self) -> type[JSONHandler]:
+        """The request handler: logs each call, applies ``hold``, ``fail`` and
+        ``stall``, answers like vLLM's router; tracks its connection (``kill``)."""
         server = self
 
         class Handler(JSONHandler):
@@ -347,7 +352,7 @@ class MemoryServer:
 
             do_GET = do_POST = do_PUT = do_DELETE = _do
 
-        self.http, self.url = serve(Handler, port)
+        return Handler
 
     # ---- the log ---------------------------------------------------------
 
