@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nccl_cffi import Deadline
 from uniqueid import UpdateInfo, VLLMClient, as_clients
+from uniqueid.fleet import call_all
 
 from .broadcaster import Broadcaster, parts_of
 from .config import SendConfig
@@ -426,8 +428,8 @@ class WeightSender:
         """Compare what the workers hold with ``params``, through vLLM's
         ``/weight_checker``: its SHA-256 of each runtime parameter's bytes,
         computed here for what this sender would push and compared on every
-        worker of every server. Copies every tensor to the host once; waits
-        for a push in flight first.
+        worker of every server (asked all at once). Copies every tensor to
+        the host once; waits for a push in flight first.
 
         Args:
             params: what was pushed.
@@ -449,9 +451,10 @@ class WeightSender:
             want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
                     for i, m in enumerate(metas)}
             seen: dict[str, bool] = {}
-            for client in self.session.clients:
-                held = client.weight_checker("checksum")["checksums"]
-                for key, digest in held.items():
+            answers = call_all(self.session.clients, VLLMClient.weight_checker, "checksum",
+                               deadline=Deadline(None))  # every server at once
+            for answer in answers:
+                for key, digest in answer["checksums"].items():
                     name = key.split(":", 4)[-1]
                     if name in want:
                         seen[name] = seen.get(name, True) and digest == want[name]

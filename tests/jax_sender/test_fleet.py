@@ -163,6 +163,22 @@ def test_a_push_to_256_servers_runs_on_a_few_threads():
         sender.close()
 
 
+def test_a_push_after_the_servers_closed_their_kept_connections_dials_them_again():
+    """The servers close a connection idle for 0.3 s (uvicorn under vLLM: 5 s,
+    the usual pause between RL steps): the next push dials all 64 again,
+    within its start phase, and lands everywhere."""
+    with IdleServers(64, keep_alive=0.3) as fleet:
+        sender = null_sender(fleet.urls, SendConfig(send_timeout_s=60.0))
+        tree = [("w", jnp.arange(1024, dtype=jnp.float32))]
+        for _ in range(3):
+            sender.send(tree)
+            time.sleep(0.6)
+        counts = call_all(sender.session.clients, VLLMClient.request, "GET", "/_calls",
+                          deadline=Deadline(30))
+        assert all(c["/finish_weight_update"] == 3 for c in counts)
+        sender.close()
+
+
 def calls_on_this_thread(fn) -> int:
     """How many functions (Python and C) ``fn()`` calls on this thread."""
     count = [0]
