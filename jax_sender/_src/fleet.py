@@ -130,23 +130,25 @@ def settle(route: Route, released: Sequence[tuple[VLLMClient, RendezvousError | 
             own error, which names it and, when it is gone or stuck, says
             how to go on without it); or every server would be dropped.
     """
-    failed = [(c, p) for c, p in released if p is not None and c is not leaving]
-    for client, problem in released:
-        if client is leaving and problem is not None:
+    if leaving is not None:
+        problem = dict((id(c), p) for c, p in released).get(id(leaving))
+        if problem is not None:
             log.warning("%s left without being released (%s): restart it before another "
-                        "trainer uses it", client.base_url, problem)
+                        "trainer uses it", leaving.base_url, problem)
+        leave_out(route, [leaving])
+    failed = [(c, p) for c, p in released if p is not None and c is not leaving]
     if failed and not drop_dead:
         for _, problem in failed[1:]:
             log.warning("%s", problem)
         raise hinted(failed[0][1])
-    if failed and len(failed) == len(fleet_of(route)) - (leaving is not None):
+    if failed and len(failed) == len(fleet_of(route)):
         raise RendezvousError(f"no server could be released, so none is left to form a group "
                               f"with (the first: {failed[0][1]}); restart them and reconnect()")
     dropped = [DroppedServer(url=c.base_url, reason=str(p)) for c, p in failed]
     for d in dropped:
         log.warning("dropped %s from the fleet: %s; add_server(%r) takes it back once it is "
                     "up", d.url, d.reason, d.url)
-    leave_out(route, [c for c, _ in failed] + ([leaving] if leaving is not None else []))
+    leave_out(route, [c for c, _ in failed])
     return dropped
 
 

@@ -333,6 +333,17 @@ def test_drop_server_refuses_a_server_it_lacks_and_its_last():
     assert held(b) == expected(params(1))
 
 
+def test_drop_server_leaves_it_out_even_when_another_cannot_be_released():
+    sender, (a, b, c), _ = memory_sender(SMALL, servers=3)
+    c.kill()
+    with pytest.raises(VLLMConnectionError, match=f"{c.url}/shutdown_weight_transfer_engine"):
+        sender.drop_server(a.url)
+    assert sender.servers == (b.url, c.url) and sender.broken
+    assert [d.url for d in sender.reconnect(drop_dead=True)] == [c.url]
+    sender.send(params(1))
+    assert held(b) == expected(params(1)) and sender.servers == (b.url,)
+
+
 def test_add_server_that_cannot_join_leaves_the_sender_as_it_was():
     """The new server's world size is asked before anything reaches the
     running group: one that does not answer changes nothing."""
