@@ -41,7 +41,7 @@ T = TypeVar("T")
 # Kept connections idle longer than this are dialled again (uvicorn, under
 # vLLM, closes them after 5 s of idling).
 KEEP_ALIVE_S = 5.0
-MAX_IDLE = 8  # kept connections per server
+MAX_IDLE = 4  # kept connections per server
 READ_BYTES = 1 << 16
 
 

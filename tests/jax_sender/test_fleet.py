@@ -24,13 +24,50 @@ from nccl_cffi import Deadline
 from uniqueid import RendezvousError, ServerStuck, VLLMClient, VLLMConnectionError
 from uniqueid.fleet import call_all
 
+from support import memory_link
 from support.concurrency import wait_for
 from support.idle_servers import IdleServers
-from support.memory_link import memory_sender, null_sender, restarted
+from support.memory_link import null_sender
 from support.pushes import SMALL, answered, calls, expected, held, params, pushed
 
 SESSION = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 MARGIN = 2.0  # what a loaded 2-core machine may add to a deadline
+
+
+# What the running test made (a sender or None, memory servers): closed after
+# it, so the 64-server tests leave no sockets behind for the tests that follow.
+_MADE: list[tuple] = []
+
+
+@pytest.fixture(autouse=True)
+def closes_what_it_made():
+    yield
+    while _MADE:
+        sender, servers = _MADE.pop()
+        for s in servers:
+            for event in [*s.hold.values(), *s.stall.values()]:
+                event.set()
+        if sender is not None:
+            sender.close()
+        killers = [threading.Thread(target=s.kill) for s in servers]  # each waits 0.5 s
+        for k in killers:
+            k.start()
+        for k in killers:
+            k.join(10)
+
+
+def memory_sender(*args, **kwargs):
+    """``memory_link.memory_sender``, closed after the test."""
+    sender, servers, caster = memory_link.memory_sender(*args, **kwargs)
+    _MADE.append((sender, servers))
+    return sender, servers, caster
+
+
+def restarted(server, wire):
+    """``memory_link.restarted``, the fresh server closed after the test."""
+    fresh = memory_link.restarted(server, wire)
+    _MADE.append((None, [fresh]))
+    return fresh
 
 
 def exact(servers, tree) -> bool:
