@@ -21,14 +21,14 @@ _EXPORTS = {
     "plan_chunks": "plan", "wire_order": "plan",
     "PendingSend": "session", "SendStats": "stats", "describe": "describe",
     "VerifyResult": "sender", "WeightSender": "sender",
-    "SparseSender": "sparse_sender", "M2NSender": "m2n_sender",
+    "SparseSender": "sparse_sender", "M2NSender": "m2n_sender", "DroppedServer": "fleet",
     "TUNIX_LLAMA3": "zoo", "TUNIX_QWEN2": "zoo", "TUNIX_QWEN3": "zoo", "MAXTEXT_LLAMA31": "zoo",
     "MAXTEXT_QWEN3": "zoo", "tunix_llama3": "zoo", "tunix_qwen2": "zoo", "tunix_qwen3": "zoo",
     "maxtext_llama31": "zoo", "maxtext_qwen3": "zoo",
 }
 __all__ = [
-    "LLAMA", "WIRE_DTYPES", "Chunk", "GatherTimeout", "LoadPlan", "M2NSender", "Mapping",
-    "MetadataError",
+    "LLAMA", "WIRE_DTYPES", "Chunk", "DroppedServer", "GatherTimeout", "LoadPlan", "M2NSender",
+    "Mapping", "MetadataError",
     "PendingSend", "SendConfig", "SendError", "SendStats", "SenderClosed",
     "SparseSender", "TensorMeta", "TransferError", "UpdateIncomplete", "VerifyResult",
     "WeightSender", "describe", "flatten", "llama_name", "llama_transform", "named_arrays",
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         TransferError,
         UpdateIncomplete,
     )
+    from ._src.fleet import DroppedServer
     from ._src.m2n_sender import M2NSender
     from ._src.naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
     from ._src.plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order

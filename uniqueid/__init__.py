@@ -21,6 +21,7 @@ from .rendezvous import (
     handshake,
     preflight,
     release,
+    release_each,
     warm_up,
     world_sizes,
 )
@@ -38,5 +39,5 @@ __all__ = [
     "ServerStuck", "SparseUpdateInfo", "UNIQUE_ID_BYTES", "UniqueId", "UniqueIdError",
     "UpdateInfo", "VLLMClient", "VLLMConnectionError", "VLLMHTTPError", "VLLMProtocolError",
     "VLLMTimeout", "as_clients", "check_rendezvous_mode", "connect", "handshake", "preflight",
-    "redact", "release", "warm_up", "world_sizes",
+    "redact", "release", "release_each", "warm_up", "world_sizes",
 ]

@@ -7,9 +7,8 @@ carries the NCCL unique id, a credential. So every call here
 
 * ends by one deadline for the whole call (connect, send, headers, body):
   per-read timeouts let a server that trickles a byte a second hold a call
-  for ever. httpcore's connection pool runs over a network backend whose
-  every wait is capped at the time left before the calling thread's
-  deadline; no thread is started, none is left behind;
+  for ever. Every call runs on the process's one HTTP loop
+  (``transport.py``), whose timer ends it at its deadline wherever it is;
 * reads a bounded body: it asks for no compression, stops reading at
   ``max_body_bytes``, and inflates gzip or deflate itself with the same
   bound on what comes out (no gzip bomb, no endless body);
@@ -20,29 +19,32 @@ carries the NCCL unique id, a credential. So every call here
   ``codec.redact``, so a server that echoes the request does not put the
   unique id into a traceback or a log.
 
-Bodies are exactly what vLLM's router reads: each parameter embedded under
-its own name.
+Each route is written once, as a coroutine (``_route``): called, it waits
+for its answer; ``fleet.Calls`` makes it on many servers at once, for the
+cost of one. Bodies are exactly what vLLM's router reads: each parameter
+embedded under its own name.
 """
 
 from __future__ import annotations
 
+import functools
 import json as jsonlib
-import threading
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any
-from urllib.parse import urlencode
+from typing import Any, TypeVar
+from urllib.parse import urlencode, urlsplit
 
-import httpcore
-import httpx
+import h11
 
-from nccl_cffi.waiting import Deadline, check_timeout
+from nccl_cffi.waiting import check_timeout
 
+from . import transport
 from .codec import redact, redacted_head
 from .errors import RendezvousError
 from .url import check_base_url
+
+T = TypeVar("T")
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 60.0
@@ -51,6 +53,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
 # The most of a server's text an error message quotes (after redaction).
 _QUOTE_CHARS = 1000
+_HEADS_KEPT = 32  # requests' heads kept per client (see VLLMClient._head)
 # The most of an error body parsed as JSON: vLLM's are small objects. A larger
 # one is kept as the redacted start of its text, since parsing or redacting
 # all of a 16 MiB body would cost seconds and gigabytes past the deadline.
@@ -167,15 +170,16 @@ def _message_of(body: Any) -> str:
     return str(body) if body != "" else "(no body)"
 
 
-def _check_final(resp: httpcore.Response, where: str, route: str) -> None:
+def _check_final(status: int, headers: list[tuple[bytes, bytes]], where: str,
+                 route: str) -> None:
     """Refuse a 1xx or 3xx final status: redirects are never followed."""
-    if resp.status < 200:
-        raise VLLMProtocolError(f"{where} answered HTTP {resp.status}, an interim status, "
+    if status < 200:
+        raise VLLMProtocolError(f"{where} answered HTTP {status}, an interim status, "
                                 f"as its final answer; {_NOT_VLLM}", route)
-    if 300 <= resp.status < 400:
-        to = _quote(_header(resp.headers, b"location")) or "nowhere"
+    if 300 <= status < 400:
+        to = _quote(_header(headers, b"location")) or "nowhere"
         raise VLLMProtocolError(
-            f"{where} answered HTTP {resp.status}, a redirect to {to}, which is never "
+            f"{where} answered HTTP {status}, a redirect to {to}, which is never "
             "followed (it would resend the unique id elsewhere): give the client the "
             "server's own URL", route)
 
@@ -185,86 +189,17 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
     return ",".join(v.decode("latin-1").strip() for k, v in headers if k.lower() == name)
 
 
-class _DeadlineStream(httpcore.NetworkStream):
-    """A connection whose every wait ends by its backend's deadline."""
+def _route(impl: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
+    """A route of ``VLLMClient``, written once as the coroutine ``impl``:
+    calling the route waits for its answer (the call runs on the HTTP loop,
+    ``transport.run``); ``VLLMClient.<route>.coroutine`` is ``impl`` itself,
+    which ``fleet.Calls`` makes on many servers at once."""
+    @functools.wraps(impl)
+    def call(self: VLLMClient, *args: Any, **kwargs: Any) -> T:
+        return transport.run(impl(self, *args, **kwargs))
 
-    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend):
-        self._inner, self._backend = inner, backend
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        data = self._inner.read(max_bytes, self._backend.cap(timeout, httpcore.ReadTimeout))
-        if not data:
-            self._backend.peer_closed = True
-        return data
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        # httpcore's own loop gives each send the whole timeout again; here
-        # each send gets what is left (Python's SSL send keeps it as one deadline).
-        sock, view = self._inner.get_extra_info("socket"), memoryview(buffer)
-        try:
-            while view:
-                sock.settimeout(self._backend.cap(timeout, httpcore.WriteTimeout))
-                view = view[sock.send(view):]
-        except TimeoutError as e:
-            raise httpcore.WriteTimeout(str(e)) from e
-        except OSError as e:
-            raise httpcore.WriteError(str(e)) from e
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        tls = self._inner.start_tls(ssl_context, server_hostname,
-                                    self._backend.cap(timeout, httpcore.ConnectTimeout))
-        return _DeadlineStream(tls, self._backend)
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's blocking sockets, each wait capped at the time left before
-    the calling thread's deadline (set by ``deadline``); once it has passed,
-    the wait raises httpcore's timeout at once. A pool's kept connections
-    serve any thread, so the deadline is the caller's, not the connection's;
-    so is ``peer_closed``: whether the server closed a connection during
-    the caller's call (which tells a dropped connection from a malformed
-    answer)."""
-
-    def __init__(self) -> None:
-        self._sockets = httpcore.SyncBackend()
-        self._local = threading.local()
-
-    @property
-    def peer_closed(self) -> bool:
-        return getattr(self._local, "peer_closed", False)
-
-    @peer_closed.setter
-    def peer_closed(self, value: bool) -> None:
-        self._local.peer_closed = value
-
-    @contextmanager
-    def deadline(self, seconds: float) -> Iterator[None]:
-        self._local.deadline, self.peer_closed = Deadline(seconds), False
-        try:
-            yield
-        finally:
-            self._local.deadline = None
-
-    def cap(self, timeout: float | None, expired: type[Exception]) -> float | None:
-        deadline: Deadline | None = getattr(self._local, "deadline", None)
-        left = deadline.cap(timeout) if deadline is not None else timeout
-        if left is not None and left <= 0:
-            raise expired("the call's deadline passed")
-        return left
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None,
-                    socket_options: Any = None) -> httpcore.NetworkStream:
-        stream = self._sockets.connect_tcp(host, port, self.cap(timeout, httpcore.ConnectTimeout),
-                                           local_address, socket_options)
-        return _DeadlineStream(stream, self)
+    call.coroutine = impl  # type: ignore[attr-defined]
+    return call
 
 
 class VLLMClient:
@@ -272,7 +207,9 @@ class VLLMClient:
 
     Connections are kept alive between calls; the client is safe to share
     between threads. Every call is bounded by one deadline (see the module
-    docstring), and answers only vLLM's shapes.
+    docstring), and answers only vLLM's shapes. Making one costs next to
+    nothing: no connection is opened before the first call, and a TLS
+    context only for the first https call of the process.
 
     Args:
         base_url: ``http://`` or ``https://`` host and port (a path prefix
@@ -298,6 +235,7 @@ class VLLMClient:
                  api_key: str | None = None, headers: dict[str, str] | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.base_url = check_base_url(base_url)
+        parts = urlsplit(self.base_url)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.timeout = _seconds("timeout", timeout)
         self.transfer_timeout = _seconds("transfer_timeout", transfer_timeout)
@@ -305,11 +243,12 @@ class VLLMClient:
                 or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
         self.max_body_bytes = max_body_bytes
-        self._headers = self._merge_headers(api_key, headers or {})
-        self._backend = _DeadlineBackend()
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(), max_connections=100,
-            max_keepalive_connections=20, keepalive_expiry=5.0, network_backend=self._backend)
+        tls = parts.scheme == "https"
+        self._prefix = parts.path
+        self._headers = [(b"Host", parts.netloc.rpartition("@")[2].encode("idna")),
+                         *self._merge_headers(api_key, headers or {})]
+        self._pool = transport.Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
+        self._heads: dict[tuple[Any, ...], h11.Request] = {}  # see _head; the loop's only
         self._closed = False
 
     @staticmethod
@@ -325,7 +264,7 @@ class VLLMClient:
     def close(self) -> None:
         """Close the kept connections; later calls raise. Closing twice is fine."""
         self._closed = True
-        self._pool.close()
+        transport.call(self._pool.close)
 
     def __enter__(self) -> VLLMClient:
         return self
@@ -337,8 +276,9 @@ class VLLMClient:
         return f"VLLMClient({self.base_url!r})"
 
     # -- one call --------------------------------------------------------
-    def request(self, method: str, route: str, *, json: Any = None,
-                params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    @_route
+    async def request(self, method: str, route: str, *, json: Any = None,
+                      params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """One call, bounded as a whole by ``timeout``.
 
         Args:
@@ -362,73 +302,73 @@ class VLLMClient:
                 connection failed.
             VLLMProtocolError: the answer is not a JSON object vLLM would send.
         """
+        return await self._call(method, route, json=json, params=params, timeout=timeout)
+
+    async def _call(self, method: str, route: str, *, json: Any = None,
+                    params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         seconds = self.timeout if timeout is None else _seconds("timeout", timeout)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         where = f"{method} {self.base_url}{route}"
-        url = self.base_url + route + (f"?{urlencode(params)}" if params else "")
-        with self._backend.deadline(seconds):
-            status, headers, raw = self._exchange(method, url, json, seconds, where, route)
-        if status >= 500:
-            self._drop_idle()
+        target = self._prefix + route + (f"?{urlencode(params)}" if params else "")
+        status, headers, raw = await self._exchange(method, target, json, seconds, where, route)
+        _check_final(status, headers, where, route)
         return self._answer(status, headers, raw, where, route)
 
-    def _drop_idle(self) -> None:
-        """Close the kept connections no call is using. Why: a server whose
-        handler raised (uvicorn, under vLLM's routes) answers 500 and then
-        closes the connection, a moment later; the next call on it would
-        meet the reset (seen on vLLM 0.33.0's engine after a refused
-        ``/shutdown_weight_transfer_engine``)."""
-        for connection in self._pool.connections:
-            if connection.is_idle():
-                connection.close()
-
-    def _exchange(self, method: str, url: str, json: Any, seconds: float, where: str,
-                  route: str) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
-        """Send, and read the status, headers and bounded raw body."""
-        headers, content = list(self._headers), None
-        if json is not None:
-            content = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
-                                    allow_nan=False).encode()
-            headers.append((b"Content-Type", b"application/json"))
-        elif method.upper() != "GET":
-            content = b""  # Content-Length: 0, which some proxies insist on
-        limits = {"connect": min(self.connect_timeout, seconds), "read": seconds,
-                  "write": seconds, "pool": seconds}
+    async def _exchange(self, method: str, target: str, json: Any, seconds: float, where: str,
+                        route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Send, and read the status, headers and bounded raw body, all
+        within ``seconds`` (the body's encoding included)."""
         try:
-            with self._pool.stream(method, url, headers=headers, content=content,
-                                   extensions={"timeout": limits}) as resp:
-                _check_final(resp, where, route)
-                return resp.status, resp.headers, self._read_body(resp, where, route)
-        except httpcore.TimeoutException:
+            return await transport.within(seconds, self._send(method, target, json, seconds))
+        except transport.Expired:
             raise VLLMTimeout(
-                f"{where}: no answer within the timeout of {seconds:g} s for the whole call; the "
+                f"{where}: no answer within the timeout of {round(seconds, 3):g} s for the whole call; the "
                 "server may be stuck (e.g. its workers inside an NCCL call whose peer left, "
                 "where vLLM sets no deadline): check its log and restart it, or give the call "
                 "a longer timeout", route) from None
-        except httpcore.RemoteProtocolError as e:
-            if not self._backend.peer_closed:
-                raise VLLMProtocolError(
-                    f"{where} answered something that is not valid HTTP/1.1 ({_quote(str(e))}); "
-                    f"{_NOT_VLLM}", route) from None
+        except transport.TooBig as e:
+            raise self._too_big(where, route, e.status, "as sent") from None
+        except transport.PeerClosed:
             raise VLLMConnectionError(
                 f"{where}: the server closed the connection before its answer was complete; "
                 "check that it is up (its log says why it closed)", route) from None
-        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
-                httpcore.ProxyError) as e:
+        except transport.Malformed as e:
+            raise VLLMProtocolError(
+                f"{where} answered something that is not valid HTTP/1.1 ({_quote(str(e))}); "
+                f"{_NOT_VLLM}", route) from None
+        except OSError as e:
             raise VLLMConnectionError(
                 f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
                 "check the URL and that the server is up", route) from None
 
-    def _read_body(self, resp: httpcore.Response, where: str, route: str) -> bytearray:
-        """The raw body, refused past ``max_body_bytes`` (not copied: it may be
-        as large as that)."""
-        body = bytearray()
-        for chunk in resp.iter_stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise self._too_big(where, route, resp.status, "as sent")
-        return body
+    async def _send(self, method: str, target: str, json: Any,
+                    seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        body = None
+        if json is not None:
+            body = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
+                                 allow_nan=False).encode()
+        elif method.upper() != "GET":
+            body = b""  # Content-Length: 0, which some proxies insist on
+        return await self._pool.exchange(self._head(method, target, json is not None, body),
+                                         body, max_body=self.max_body_bytes,
+                                         connect_timeout=min(self.connect_timeout, seconds))
+
+    def _head(self, method: str, target: str, is_json: bool, body: bytes | None) -> h11.Request:
+        """The request's line and headers, kept per route and body length:
+        h11 checks every header of a request it is given, which was a fifth
+        of a fleet's push (the same few requests, over and over)."""
+        key = (method, target, is_json, None if body is None else len(body))
+        if key not in self._heads:
+            headers = list(self._headers)
+            if is_json:
+                headers.append((b"Content-Type", b"application/json"))
+            if body is not None:
+                headers.append((b"Content-Length", str(len(body)).encode()))
+            if len(self._heads) >= _HEADS_KEPT:
+                self._heads.clear()
+            self._heads[key] = h11.Request(method=method, target=target, headers=headers)
+        return self._heads[key]
 
     def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
         return VLLMProtocolError(
@@ -436,8 +376,8 @@ class VLLMClient:
             f"({how}); vLLM's answers are small JSON objects, so check the URL (or raise "
             "max_body_bytes if this server's answers are that large)", route)
 
-    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray,
-                 where: str, route: str) -> bytes | bytearray:
+    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes,
+                 where: str, route: str) -> bytes:
         """The body decoded per its Content-Encoding, bounded like the raw body."""
         encoding = _header(headers, b"content-encoding").lower()
         if encoding in ("", "identity"):
@@ -458,7 +398,7 @@ class VLLMClient:
                                     f"{_NOT_VLLM}", route)
         return out
 
-    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytearray, where: str,
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, where: str,
                 route: str) -> Any:
         """The decoded JSON object of a final answer, or the error it stands for."""
         raw = self._inflate(status, headers, raw, where, route)
@@ -493,7 +433,8 @@ class VLLMClient:
         return answer[key]
 
     # -- routes (PROTOCOL.md section 3) ---------------------------------
-    def get_world_size(self, include_dp: bool = True, *, timeout: float | None = None) -> int:
+    @_route
+    async def get_world_size(self, include_dp: bool = True, *, timeout: float | None = None) -> int:
         """``GET /get_world_size``: how many workers would join the group.
 
         Answered by vLLM's API process from its config (not by the engine).
@@ -509,13 +450,14 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        answer = self.request("GET", "/get_world_size", timeout=timeout,
-                              params=None if include_dp else {"include_dp": "false"})
+        answer = await self._call("GET", "/get_world_size", timeout=timeout,
+                                  params=None if include_dp else {"include_dp": "false"})
         return self._field("GET", "/get_world_size", answer, "world_size",
                            lambda v: type(v) is int and v >= 0, "a whole number >= 0")
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any], *,
-                                    timeout: float | None = None) -> Any:
+    @_route
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any], *,
+                                          timeout: float | None = None) -> Any:
         """``POST /init_weight_transfer_engine``: the workers join the group.
 
         Args:
@@ -529,10 +471,11 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        return self.request("POST", "/init_weight_transfer_engine", json={"init_info": init_info},
-                            timeout=self._long(timeout))
+        return await self._call("POST", "/init_weight_transfer_engine",
+                                json={"init_info": init_info}, timeout=self._long(timeout))
 
-    def start_weight_update(self, *, timeout: float | None = None) -> Any:
+    @_route
+    async def start_weight_update(self, *, timeout: float | None = None) -> Any:
         """``POST /start_weight_update``: open an update session.
 
         Args:
@@ -545,9 +488,11 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        return self.request("POST", "/start_weight_update", timeout=timeout)
+        return await self._call("POST", "/start_weight_update", timeout=timeout)
 
-    def update_weights(self, update_info: dict[str, Any], *, timeout: float | None = None) -> Any:
+    @_route
+    async def update_weights(self, update_info: dict[str, Any], *,
+                             timeout: float | None = None) -> Any:
         """``POST /update_weights``: answered once every tensor arrived.
 
         Args:
@@ -561,11 +506,12 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        return self.request("POST", "/update_weights", json={"update_info": update_info},
-                            timeout=self._long(timeout))
+        return await self._call("POST", "/update_weights", json={"update_info": update_info},
+                                timeout=self._long(timeout))
 
-    def finish_weight_update(self, weight_version: str | None = None, *,
-                             timeout: float | None = None) -> Any:
+    @_route
+    async def finish_weight_update(self, weight_version: str | None = None, *,
+                                   timeout: float | None = None) -> Any:
         """``POST /finish_weight_update``: close the session, naming the version.
 
         Args:
@@ -580,10 +526,11 @@ class VLLMClient:
             VLLMProtocolError: as ``request``.
         """
         body = None if weight_version is None else {"weight_version": weight_version}
-        return self.request("POST", "/finish_weight_update", json=body,
-                            timeout=self._long(timeout))
+        return await self._call("POST", "/finish_weight_update", json=body,
+                                timeout=self._long(timeout))
 
-    def shutdown_weight_transfer_engine(self, *, timeout: float | None = None) -> Any:
+    @_route
+    async def shutdown_weight_transfer_engine(self, *, timeout: float | None = None) -> Any:
         """``POST /shutdown_weight_transfer_engine``: the workers leave the group.
 
         Args:
@@ -596,9 +543,10 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        return self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout)
+        return await self._call("POST", "/shutdown_weight_transfer_engine", timeout=timeout)
 
-    def pause(self, mode: str = "abort", *, timeout: float | None = None) -> Any:
+    @_route
+    async def pause(self, mode: str = "abort", *, timeout: float | None = None) -> Any:
         """``POST /pause``: stop generation for an update.
 
         Args:
@@ -616,10 +564,11 @@ class VLLMClient:
         """
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"mode must be abort, wait or keep, got {mode!r}")
-        return self.request("POST", "/pause", params={"mode": mode},
-                            timeout=self._long(timeout))
+        return await self._call("POST", "/pause", params={"mode": mode},
+                                timeout=self._long(timeout))
 
-    def resume(self, *, timeout: float | None = None) -> Any:
+    @_route
+    async def resume(self, *, timeout: float | None = None) -> Any:
         """``POST /resume``: generation goes on.
 
         Args:
@@ -632,9 +581,10 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        return self.request("POST", "/resume", timeout=timeout)
+        return await self._call("POST", "/resume", timeout=timeout)
 
-    def is_paused(self, *, timeout: float | None = None) -> bool:
+    @_route
+    async def is_paused(self, *, timeout: float | None = None) -> bool:
         """``GET /is_paused``, which vLLM's engine core answers (not the API
         process): a stuck engine does not answer it.
 
@@ -648,11 +598,12 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        answer = self.request("GET", "/is_paused", timeout=timeout)
+        answer = await self._call("GET", "/is_paused", timeout=timeout)
         return self._field("GET", "/is_paused", answer, "is_paused",
                            lambda v: isinstance(v, bool), "true or false")
 
-    def weight_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+    @_route
+    async def weight_info(self, *, timeout: float | None = None) -> dict[str, Any]:
         """``GET /weight_info``: the weights' version, from the engine core.
 
         Args:
@@ -665,13 +616,14 @@ class VLLMClient:
             VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
             VLLMProtocolError: as ``request``.
         """
-        answer = self.request("GET", "/weight_info", timeout=timeout)
+        answer = await self._call("GET", "/weight_info", timeout=timeout)
         self._field("GET", "/weight_info", answer, "weight_version",
                     lambda v: isinstance(v, str), "a string")
         return answer
 
-    def weight_checker(self, action: str, baseline: dict[str, str] | None = None, *,
-                       timeout: float | None = None) -> Any:
+    @_route
+    async def weight_checker(self, action: str, baseline: dict[str, str] | None = None, *,
+                             timeout: float | None = None) -> Any:
         """``POST /weight_checker``: checksum, reset, or compare the weights.
 
         Args:
@@ -694,8 +646,8 @@ class VLLMClient:
         body: dict[str, Any] = {"action": action}
         if baseline is not None:
             body["baseline"] = baseline
-        answer = self.request("POST", "/weight_checker", json=body,
-                              timeout=self._long(timeout))
+        answer = await self._call("POST", "/weight_checker", json=body,
+                                  timeout=self._long(timeout))
         check = partial(self._field, "POST", "/weight_checker", answer)
         if action == "checksum":
             check("checksums", lambda v: isinstance(v, dict) and all(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,13 +32,14 @@ from nccl_cffi import (
     NcclTimeoutError,
     await_future,
     cuda,
-    in_background,
     load_library,
 )
 
+from . import transport
 from .client import VLLMClient, VLLMHTTPError, VLLMTimeout
 from .codec import UniqueId
 from .errors import RendezvousError, RendezvousTimeout, ServerStuck
+from .fleet import GRACE_S, Calls, call_all
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
 
 log = logging.getLogger("uniqueid")
@@ -264,15 +264,33 @@ def release_all(clients: Sequence[VLLMClient], deadline: Deadline) -> list[Rende
     Returns:
         What each server that could not be released raised.
     """
-    calls = [in_background(release, c, deadline, name="vllm-release") for c in clients]
-    problems: list[RendezvousError] = []
-    for c, call in zip(clients, calls):
-        try:
-            if not await_future(call, None if deadline.at is None else deadline.at + 1.0):
-                raise ServerStuck(f"{c.base_url}: its release did not end by the deadline; "
-                                  "restart that server")
-        except RendezvousError as e:
-            problems.append(e)
+    return [p for p in release_each(clients, deadline) if p is not None]
+
+
+def release_each(clients: Sequence[VLLMClient],
+                 deadline: Deadline) -> list[RendezvousError | None]:
+    """``release`` every server at once on the HTTP loop, all within
+    ``deadline``; what each raised, in order (None: released).
+
+    Args:
+        clients: the servers.
+        deadline: bounds every release (they run side by side).
+
+    Returns:
+        Per server: None, or why it could not be released (a server whose
+        release did not end by the deadline is ``ServerStuck``).
+    """
+    calls = Calls(clients, lambda i, _: _release(clients[i], deadline), deadline=Deadline(None))
+    if not await_future(calls.ended, None if deadline.at is None else deadline.at + GRACE_S):
+        calls.cancel()
+    problems: list[RendezvousError | None] = []
+    for c, done, e in zip(clients, calls.done, calls.errors):
+        if not done:
+            e = ServerStuck(f"{c.base_url}: its release did not end by the deadline; restart "
+                            "that server")
+        elif e is not None and not isinstance(e, RendezvousError):
+            raise e
+        problems.append(e)
     return problems
 
 
@@ -292,16 +310,23 @@ def release(client: VLLMClient, deadline: Deadline) -> None:
         VLLMConnectionError, VLLMProtocolError: it could not be reached, or
             answered what vLLM never does.
     """
+    transport.run(_release(client, deadline))
+
+
+async def _release(client: VLLMClient, deadline: Deadline) -> None:
+    """``release``, as a coroutine on the HTTP loop."""
+    shutdown = VLLMClient.shutdown_weight_transfer_engine.coroutine  # type: ignore[attr-defined]
+    finish = VLLMClient.finish_weight_update.coroutine  # type: ignore[attr-defined]
     try:
         try:
-            client.shutdown_weight_transfer_engine(timeout=_seconds_left(deadline))
+            await shutdown(client, timeout=_seconds_left(deadline))
             return
         except VLLMHTTPError as refused:
             try:
-                client.finish_weight_update(timeout=_seconds_left(deadline))
+                await finish(client, timeout=_seconds_left(deadline))
             except VLLMHTTPError:
                 raise refused from None
-            client.shutdown_weight_transfer_engine(timeout=_seconds_left(deadline))
+            await shutdown(client, timeout=_seconds_left(deadline))
     except (VLLMTimeout, RendezvousTimeout) as e:
         raise ServerStuck(
             f"{client.base_url}: its weight-transfer engine did not answer within the "
@@ -347,8 +372,8 @@ def as_clients(servers: Servers) -> list[VLLMClient]:
 
 def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | None,
                 deadline: Deadline) -> list[int]:
-    """Each server's worker count: ``workers`` as given, else asked (each
-    ``/get_world_size`` within ``deadline``); checked sane either way.
+    """Each server's worker count: ``workers`` as given, else asked (every
+    server at once, within ``deadline``); checked sane either way.
 
     Args:
         clients: the servers.
@@ -370,7 +395,9 @@ def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | No
     if isinstance(workers, int):
         workers = [workers]
     if workers is None:
-        workers = [c.get_world_size(timeout=_seconds_left(deadline)) for c in clients]
+        if deadline.passed():
+            raise RendezvousTimeout("the deadline passed before the servers were asked")
+        workers = call_all(clients, VLLMClient.get_world_size, deadline=deadline)
     workers = list(workers)
     if len(workers) != len(clients):
         raise RendezvousError(f"{len(clients)} servers but {len(workers)} worker counts")
@@ -459,31 +486,25 @@ def _init_infos(uid: UniqueId, workers: Sequence[int], trainer_ranks: int,
 def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Joiner,
           device: int, deadline: Deadline) -> Communicator:
     """Post each server's init and join the group, within ``deadline``."""
-    inits = [in_background(_post_init, c, i, deadline, name="vllm-init")
-             for c, i in zip(clients, infos)]
-
-    def server_refused() -> None:
-        for f in inits:
-            if f.done() and f.exception() is not None:
-                f.result()
-
+    inits = Calls(clients, lambda i, _: _post_init(clients[i], infos[i], deadline),
+                  deadline=deadline)
     left = deadline.left()
     try:
         comm = joiner.join(infos[0].world_size, infos[0].unique_id, 0, device,
                            timeout=left - min(_ANSWER_RESERVE * left, _ANSWER_RESERVE_MAX_S),
-                           check=server_refused)
+                           check=inits.raise_first)
     except RendezvousError as e:
         raise RendezvousError(
             f"the server refused init while the trainer waited in ncclCommInitRank: {e}. "
             f"The trainer's init was given up; fix the cause and connect again"
-            f"{_left_waiting(clients, inits)}") from e
+            f"{_left_waiting(inits)}") from e
     except NcclTimeoutError as e:
-        raise RendezvousTimeout(f"{e}{_never_joined(clients, inits, infos[0].world_size)}") from e
+        raise RendezvousTimeout(f"{e}{_never_joined(inits, infos[0].world_size)}") from e
     try:
-        for c, f in zip(clients, inits):
-            if not await_future(f, deadline.at):
-                raise RendezvousTimeout(f"the workers joined but {c.base_url}"
-                                        "/init_weight_transfer_engine did not answer in time")
+        if not await_future(inits.ended, deadline.at):
+            raise RendezvousTimeout(f"the workers joined but {inits.named(inits.pending())}"
+                                    "/init_weight_transfer_engine did not answer in time")
+        inits.raise_first()
     except BaseException as e:
         comm.abort("server init failed")
         if isinstance(e, RendezvousTimeout):
@@ -495,10 +516,10 @@ def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Join
     return comm
 
 
-def _left_waiting(clients: Sequence[VLLMClient], inits: Sequence[Future]) -> str:
+def _left_waiting(inits: Calls[None]) -> str:
     """The servers that took an init the trainer gave up: their workers may
     wait inside NCCL for ranks that will not come."""
-    waiting = [c.base_url for c, f in zip(clients, inits) if not f.done()]
+    waiting = [c.base_url for c in inits.pending()]
     if not waiting:
         return ""
     return (f"; {', '.join(waiting)} took the init and may now wait inside NCCL for ranks "
@@ -506,9 +527,9 @@ def _left_waiting(clients: Sequence[VLLMClient], inits: Sequence[Future]) -> str
             "init times out")
 
 
-def _never_joined(clients: Sequence[VLLMClient], inits: Sequence[Future], world_size: int) -> str:
+def _never_joined(inits: Calls[None], world_size: int) -> str:
     """Why servers that answered their init may still not have joined."""
-    answered = [c.base_url for c, f in zip(clients, inits) if f.done() and f.exception() is None]
+    answered = [c.base_url for c in inits.succeeded()]
     if not answered:
         return ""
     return ("; the server answered 200 but its workers never joined: is it running with "
@@ -516,6 +537,7 @@ def _never_joined(clients: Sequence[VLLMClient], inits: Sequence[Future], world_
             f"+ its workers, or did a trainer rank not join? ({', '.join(answered)})")
 
 
-def _post_init(client: VLLMClient, info: InitInfo, deadline: Deadline) -> None:
+async def _post_init(client: VLLMClient, info: InitInfo, deadline: Deadline) -> None:
     """``/init_weight_transfer_engine``, answered within ``deadline``."""
-    client.init_weight_transfer_engine(info.to_payload(), timeout=_seconds_left(deadline))
+    init = VLLMClient.init_weight_transfer_engine.coroutine  # type: ignore[attr-defined]
+    await init(client, info.to_payload(), timeout=_seconds_left(deadline))

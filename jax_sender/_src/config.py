@@ -70,7 +70,11 @@ class SendConfig:
         send_timeout_s: bounds each wait of a push (a broadcast, a copy, an
             HTTP call, the servers' answer after the last broadcast); None:
             60 s plus the bytes of that wait at 1 GB/s; at most 1e4 s.
-        reconnect_timeout_s: bounds ``reconnect()`` as a whole; at most 1e6 s.
+        reconnect_timeout_s: bounds ``reconnect()`` as a whole (and a change
+            of the servers: ``add_server``, ``drop_server``); the servers'
+            release takes at most half of it, so a stuck server is named (or
+            dropped) with time left to form the group with the others; at
+            most 1e6 s.
         staging_bytes: the device memory an asynchronous send
             (``send(wait=False)``) may take to snapshot what it sends; a push
             larger than that runs blocking instead. None: no bound (one extra

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from nccl_cffi import Job, NcclError, await_future, in_background
 from uniqueid import RendezvousError, RendezvousTimeout
+from uniqueid.fleet import Calls
 
 from .broadcaster import Fill, Part
 from .control import ControlPlane, best_effort
@@ -282,28 +283,27 @@ class Transaction:
     def _round(self, r: Round) -> None:
         p = self.push
         self.announced = True  # before posting: an interrupt in between must abort
-        futures = self.control.update(r.update, p.update_timeout_s)
+        calls = self.control.update(r.update, p.update_timeout_s)
         feed = r.feed if self.failure is None or r.root != p.rank else Received(
             parts=r.parts, root=r.root)
         try:
-            self._broadcast(feed, futures)
+            self._broadcast(feed, calls)
         except BaseException as e:
             if aborts(e) or not self._lane_failed(e):
+                calls.cancel()  # the communicator goes: no answer is worth waiting for
                 raise
             self.failure = e  # the feed failed on the trainer's side: complete the round
-            self._broadcast(Rest(parts=r.parts, root=r.root, fill=r.fill), futures)
+            self._broadcast(Rest(parts=r.parts, root=r.root, fill=r.fill), calls)
             return
         if self.failure is None:
-            self._tally(futures)
+            self._tally(calls)
 
-    def _broadcast(self, feed: Feed, futures: list[Future[float]]) -> None:
+    def _broadcast(self, feed: Feed, calls: Calls[Any]) -> None:
         """Run ``feed`` on the lane while the workers receive in
         ``/update_weights``; wait for the answers, then for the lane."""
         def check() -> None:
             self.check()
-            for f in futures:  # a worker that refused fails the push at once
-                if f.done() and f.exception() is not None:
-                    f.result()
+            calls.raise_first()  # a worker that refused fails the push at once
 
         check()
         timeout = self.push.timeout_s
@@ -319,12 +319,12 @@ class Transaction:
                 sent.result()  # the lane's failure
                 answer_by.append(time.monotonic() + timeout)
 
-        for client, f in zip(self.control.clients, futures):
-            if not await_future(f, lambda: answer_by[0] if answer_by else None, watch):
-                raise RendezvousTimeout(
-                    f"{client.base_url}/update_weights did not answer within {timeout}s of the "
-                    "last broadcast: a worker is stuck (in load_weights, or in NCCL waiting for "
-                    "data that was never sent)")
+        if not await_future(calls.settled, lambda: answer_by[0] if answer_by else None, watch):
+            raise RendezvousTimeout(
+                f"{calls.named(calls.pending(), '/update_weights')} did not answer within "
+                f"{timeout}s of the last broadcast: a worker is stuck (in load_weights, or in "
+                "NCCL waiting for data that was never sent)")
+        calls.raise_first()
         await_future(sent, None, check)
         self._span = sent.result() - self.broadcaster.started if self.broadcaster.started else 0.0
 
@@ -333,10 +333,10 @@ class Transaction:
         sent = self._sent
         return sent is not None and sent.done() and sent.exception() is e
 
-    def _tally(self, futures: list[Future[float]]) -> None:
+    def _tally(self, calls: Calls[Any]) -> None:
         stats, b = self.push.stats, self.broadcaster
         stats.broadcast_s += self._span
-        stats.update_s += max((f.result() for f in futures), default=0.0)
+        stats.update_s += max(calls.times, default=0.0)
         stats.host_s += b.host_s
         stats.link_s += b.link_s
         stats.link_bytes += b.link_bytes

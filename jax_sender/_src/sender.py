@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from uniqueid import UpdateInfo, as_clients
+from nccl_cffi import Deadline
+from uniqueid import UpdateInfo, VLLMClient, as_clients
+from uniqueid.fleet import call_all
 
 from .broadcaster import Broadcaster, parts_of
 from .config import SendConfig
@@ -44,6 +46,7 @@ from .describe import (
 )
 from .errors import MetadataError, TransferError
 from .feeds import Copies, Produced, Received, Tensors
+from .fleet import DroppedServer, fleet_of
 from .group import Share, TrainerGroup, join_gathers, share_from_process_0
 from .naming import Mapping, identity
 from .packing import packable, writable, write_chunk
@@ -425,8 +428,8 @@ class WeightSender:
         """Compare what the workers hold with ``params``, through vLLM's
         ``/weight_checker``: its SHA-256 of each runtime parameter's bytes,
         computed here for what this sender would push and compared on every
-        worker of every server. Copies every tensor to the host once; waits
-        for a push in flight first.
+        worker of every server (asked all at once). Copies every tensor to
+        the host once; waits for a push in flight first.
 
         Args:
             params: what was pushed.
@@ -448,9 +451,10 @@ class WeightSender:
             want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
                     for i, m in enumerate(metas)}
             seen: dict[str, bool] = {}
-            for client in self.session.clients:
-                held = client.weight_checker("checksum")["checksums"]
-                for key, digest in held.items():
+            answers = call_all(self.session.clients, VLLMClient.weight_checker, "checksum",
+                               deadline=Deadline(None))  # every server at once
+            for answer in answers:
+                for key, digest in answer["checksums"].items():
                     name = key.split(":", 4)[-1]
                     if name in want:
                         seen[name] = seen.get(name, True) and digest == want[name]
@@ -469,23 +473,78 @@ class WeightSender:
         """Why the transfer group is broken ("" when it is not)."""
         return self.session.broken
 
-    def reconnect(self) -> None:
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The URLs of the servers this sender pushes to (process 0's in a group)."""
+        return tuple(c.base_url for c in fleet_of(self.session.route))
+
+    def reconnect(self, *, drop_dead: bool = False) -> list[DroppedServer]:
         """Form the transfer group again after a failure (see ``Session.reconnect``).
 
         Finishes the servers' open update sessions, shuts their engines
-        down, mints a new id and joins again, all within
-        ``config.reconnect_timeout_s``. In a group, every process calls it
-        together.
+        down (every server at once), mints a new id and joins again, all
+        within ``config.reconnect_timeout_s``. In a group, every process
+        calls it together (servers are dropped on process 0).
+
+        Args:
+            drop_dead: a server that cannot be released (gone, or stuck:
+                its engine does not answer) is left out of the new group,
+                named in the result and in a warning, instead of failing
+                the reconnect; ``add_server(url)`` takes it back.
+
+        Returns:
+            The servers left out, each with its reason (none without ``drop_dead``).
 
         Raises:
             SenderClosed: the sender is closed.
             SendError: a push in flight did not end by its deadlines.
-            ServerStuck: a server's engine does not answer (restart it).
-            RendezvousError: a server refused, or the new group did not
-                form (``RendezvousTimeout``).
+            ServerStuck: a server's engine does not answer (restart it, or
+                ``drop_dead=True``).
+            RendezvousError: a server could not be released (``drop_dead``
+                goes on without it), or the new group did not form
+                (``RendezvousTimeout``).
             NcclError: NCCL refused the trainer's new init.
         """
-        self.session.reconnect()
+        return self.session.reconnect(drop_dead=drop_dead)
+
+    def drop_server(self, server: str | VLLMClient) -> None:
+        """Stop pushing to ``server``: the group is formed again without it
+        (NCCL's world size is fixed at init), like ``reconnect()``, within
+        ``config.reconnect_timeout_s``. A server that is gone is left
+        without a word to it (a warning says so); one that answers is
+        released, ready for another trainer. Single-process senders only.
+
+        Args:
+            server: its URL (one of ``servers``), or its client.
+
+        Raises:
+            ValueError: not one of ``servers``, or the last one (``close()``).
+            TransferError: a multi-process sender.
+            SenderClosed, SendError, ServerStuck, RendezvousError,
+            NcclError: as ``reconnect``.
+        """
+        self.session.drop_server(server)
+
+    def add_server(self, server: str | VLLMClient, *, workers: int | None = None) -> None:
+        """Push to ``server`` too (a new one, or one dropped and back up):
+        its world size is asked first, so a server that cannot join leaves
+        the sender as it was; then the group is formed again with every
+        server, like ``reconnect()``, within ``config.reconnect_timeout_s``.
+        The next push sends every tensor with its metadata. Single-process
+        senders only.
+
+        Args:
+            server: its URL, or a ``VLLMClient``.
+            workers: its worker count, asked when not given.
+
+        Raises:
+            ValueError: a URL that is not http(s), or already one of ``servers``.
+            TransferError: a multi-process sender.
+            RendezvousError: it cannot join (nothing changed), or the new
+                group did not form.
+            SenderClosed, SendError, ServerStuck, NcclError: as ``reconnect``.
+        """
+        self.session.add_server(server, workers=workers)
 
     def close(self) -> None:
         """Let a push in flight end on the servers (within its deadlines),

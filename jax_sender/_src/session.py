@@ -36,12 +36,22 @@ from concurrent.futures import Future
 from typing import Any
 
 from nccl_cffi import Deadline, NcclTimeoutError, await_future, in_background
-from uniqueid import Connection, InitInfo, VLLMClient, VLLMConnectionError
+from uniqueid import (
+    Connection,
+    InitInfo,
+    RendezvousError,
+    VLLMClient,
+    VLLMConnectionError,
+    release_each,
+    world_sizes,
+)
 
+from . import fleet
 from .broadcaster import Broadcaster
 from .config import SendConfig
 from .control import ControlPlane, best_effort
 from .errors import SenderClosed, SendError
+from .fleet import DroppedServer
 from .plan import TensorMeta
 from .push import Aborted, Lane, PreparedPush, Transaction
 from .routes import Route
@@ -279,6 +289,11 @@ def _unresumed(exc: BaseException) -> BaseException:
                      "call resume() on that server's client; the sender is usable")
 
 
+def _gone(exc: BaseException) -> str:
+    """How to go on without a server that a push could not reach."""
+    return f"; {fleet.GONE_HINT}" if isinstance(exc, VLLMConnectionError) else ""
+
+
 class Session:
     """A route's connection to the servers' workers, and its pushes.
 
@@ -408,7 +423,8 @@ class Session:
                   pending: PendingSend, t0: float) -> SendStats:
         lane, control = Lane(), ControlPlane(conn.clients, push.timeout_s)
         late, self._late_pause = self._late_pause, []
-        best_effort(functools.partial(c.resume, timeout=push.timeout_s) for c in late)
+        if late:
+            best_effort([functools.partial(control.resume, late)])
         tx = Transaction(push, control, broadcaster, lane,
                          check=self._checker(pending, conn, push.timeout_s))
         try:
@@ -462,7 +478,7 @@ class Session:
             f"weight push failed: {why}. The communicator was "
             f"{'aborted' if stopped else 'abandoned'}; call reconnect() before the next send "
             "(it finishes the servers' open update sessions, and names a server that needs a "
-            "restart, if any)")
+            f"restart, if any){_gone(exc)}")
 
     def _refused(self, exc: BaseException, left_open: bool) -> BaseException:
         """The error for a push that failed before any ``/update_weights`` was
@@ -480,7 +496,7 @@ class Session:
         if left_open:
             return SendError(f"weight push failed before any weights were sent: {why}. A "
                              "server may be left inside its update session: call reconnect() "
-                             "(it finishes open sessions) before the next send")
+                             f"(it finishes open sessions) before the next send{_gone(exc)}")
         late = (" A server that did not answer its /pause may pause late (it was sent a "
                 "/resume): resume it if it stays paused."
                 if isinstance(exc, VLLMConnectionError) else "")
@@ -500,25 +516,113 @@ class Session:
         return self._broadcaster
 
     # -- lifetime -------------------------------------------------------
-    def reconnect(self) -> None:
+    def reconnect(self, *, drop_dead: bool = False) -> list[DroppedServer]:
         """Finish the servers' open update sessions and shut their engines
-        down, mint a new id and form the group again, all within
-        ``config.reconnect_timeout_s``. In a group, every process calls it
-        together.
+        down (all at once), mint a new id and form the group again, all
+        within ``config.reconnect_timeout_s``. In a group, every process
+        calls it together.
+
+        Args:
+            drop_dead: leave out of the new group each server that cannot
+                be released (gone, or stuck), rather than raise.
+
+        Returns:
+            The servers left out (``fleet.DroppedServer``), none without ``drop_dead``.
 
         Raises:
             ServerStuck: a server's engine does not answer (a restart is needed).
-            RendezvousError: the new group could not be formed.
+            RendezvousError: a server could not be released, or the new
+                group could not be formed.
             SenderClosed: the sender is closed.
         """
+        return self._reform(drop_dead=drop_dead)
+
+    def drop_server(self, server: str | VLLMClient) -> None:
+        """Leave ``server`` out: a new group with the others (``fleet.py``).
+
+        Args:
+            server: its URL, or its client.
+
+        Raises:
+            TransferError: a multi-process sender.
+            ValueError: not one of the servers, or the last one.
+            RendezvousError, SenderClosed: as ``reconnect``.
+        """
+        leaving = fleet.find(fleet.single(self.route, "drop_server()"), server)
+        self._reform(leaving=leaving)
+
+    def add_server(self, server: str | VLLMClient, *, workers: int | None = None) -> None:
+        """Take ``server`` in: its world size is asked (or ``workers``
+        checked) before the running group is touched, then a new group is
+        formed with every server (``fleet.py``).
+
+        Args:
+            server: its URL, or a client.
+            workers: its worker count, asked when not given.
+
+        Raises:
+            TransferError: a multi-process sender.
+            ValueError: a URL that is not http(s), or already a server.
+            RendezvousError: it cannot join (the group is left as it was),
+                or the new group could not be formed.
+            SenderClosed: as ``reconnect``.
+        """
+        route = fleet.single(self.route, "add_server()")
+        client = fleet.joining(route, server)
+        try:
+            self._reform(joining=(client, workers))
+        except BaseException:
+            if client not in route.clients and client is not server:
+                client.close()  # made here, never taken in
+            raise
+
+    def _reform(self, *, drop_dead: bool = False, leaving: VLLMClient | None = None,
+                joining: tuple[VLLMClient, int | None] | None = None) -> list[DroppedServer]:
+        """Form the group anew with the fleet changed (see ``reconnect``,
+        ``drop_server``, ``add_server``), on this sender's turn."""
         if self.closing:
             raise SenderClosed("this sender is closed; build a new one with connect()")
         with self._wait_turn():
             deadline = Deadline(self.config.reconnect_timeout_s)
+            if joining is not None:
+                self._take_in(*joining, deadline)
             self.broken = self.broken or "reconnecting"
-            self._drop_connection(deadline, strict=True)
+            # Half the deadline for the releases: a stuck server must leave
+            # time to form the group with the others (drop_dead).
+            released = self._let_go(Deadline(self.config.reconnect_timeout_s / 2))
+            dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=leaving)
             self.connection = self.route.form(deadline.left())
             self.broken = ""
+            if joining is not None:
+                self._reset(aborted=True)  # the server taken in holds weights of its own
+            return dropped
+
+    def _take_in(self, client: VLLMClient, workers: int | None, deadline: Deadline) -> None:
+        """Ask (or check) ``client``'s worker count, then add it to the fleet."""
+        count = world_sizes([client], workers, deadline)[0]
+        route = fleet.single(self.route, "add_server()")
+        if route.workers is not None:
+            route.workers = [*route.workers, count]
+        route.clients.append(client)
+
+    def _let_go(self, deadline: Deadline) -> list[tuple[VLLMClient, RendezvousError | None]]:
+        """Free the broadcaster and the communicator (unless an abandoned
+        lane is still inside one of its calls) and release every server at
+        once; what each server's release raised, for ``fleet.settle``.
+        Without a group (the last attempt failed), every server of the
+        fleet is released again: a release of a released engine does
+        nothing, and one an attempt left inside an init is freed or named."""
+        self._reset(aborted=False)
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+            self._broadcaster = None
+        conn, self.connection = self.connection, None
+        clients = conn.clients if conn is not None else list(fleet.fleet_of(self.route))
+        released = list(zip(clients, release_each(clients, deadline)))
+        if conn is not None:
+            alive = any(lane.busy for lane in self._orphans)
+            conn.close(deadline=deadline, shutdown_servers=False, free_comm=not alive)
+        return released
 
     def close(self) -> None:
         """Let a push in flight end on the servers (within its deadlines; a

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from nccl_cffi import NCCL_TYPES
-from uniqueid import as_clients
+from uniqueid import VLLMClient, as_clients
 from uniqueid.wire import SparseUpdateInfo
 
 from .broadcaster import parts_of
@@ -30,6 +30,7 @@ from .config import SendConfig
 from .describe import Descriptions, Get, Placement, describe
 from .errors import MetadataError, UpdateIncomplete
 from .feeds import Tensors
+from .fleet import DroppedServer, fleet_of
 from .naming import Mapping
 from .plan import TensorMeta, check_against
 from .push import PreparedPush, Round
@@ -155,7 +156,8 @@ class SparseSender:
         return metas, get_old, get_new, counts
 
     def _forget(self, aborted: bool) -> None:
-        """A push aborted mid-stream may have changed some of the weights."""
+        """A push aborted mid-stream may have changed some of the weights; a
+        server added holds weights of its own."""
         self._unknown = self._unknown or aborted
 
     def _previous(self, previous: Any, metas: list[TensorMeta], tolerance: float | None,
@@ -169,8 +171,8 @@ class SparseSender:
         if self._unknown:
             raise MetadataError(
                 "the servers may hold an incomplete update (the last push failed after it "
-                "started), so what they hold is unknown: send(params, None) pushes every "
-                "element and repairs it")
+                "started), or a server added holds weights of its own, so what they hold is "
+                "unknown: send(params, None) pushes every element and repairs it")
         before, old_sources = describe(previous, self.mapping)
         check_against(before, metas)
         return self._place.getter(before, old_sources)[0]
@@ -217,22 +219,77 @@ class SparseSender:
         """Why the transfer group is broken ("" when it is not)."""
         return self.session.broken
 
-    def reconnect(self) -> None:
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The URLs of the servers this sender pushes to (process 0's in a group)."""
+        return tuple(c.base_url for c in fleet_of(self.session.route))
+
+    def reconnect(self, *, drop_dead: bool = False) -> list[DroppedServer]:
         """Form the transfer group again after a failure (see ``Session.reconnect``).
 
         Finishes the servers' open update sessions, shuts their engines
-        down, mints a new id and joins again, all within
-        ``config.reconnect_timeout_s``.
+        down (every server at once), mints a new id and joins again, all
+        within ``config.reconnect_timeout_s``.
+
+        Args:
+            drop_dead: a server that cannot be released (gone, or stuck:
+                its engine does not answer) is left out of the new group,
+                named in the result and in a warning, instead of failing
+                the reconnect; ``add_server(url)`` takes it back.
+
+        Returns:
+            The servers left out, each with its reason (none without ``drop_dead``).
 
         Raises:
             SenderClosed: the sender is closed.
             SendError: a push in flight did not end by its deadlines.
-            ServerStuck: a server's engine does not answer (restart it).
-            RendezvousError: a server refused, or the new group did not
-                form (``RendezvousTimeout``).
+            ServerStuck: a server's engine does not answer (restart it, or
+                ``drop_dead=True``).
+            RendezvousError: a server could not be released (``drop_dead``
+                goes on without it), or the new group did not form
+                (``RendezvousTimeout``).
             NcclError: NCCL refused the trainer's new init.
         """
-        self.session.reconnect()
+        return self.session.reconnect(drop_dead=drop_dead)
+
+    def drop_server(self, server: str | VLLMClient) -> None:
+        """Stop pushing to ``server``: the group is formed again without it
+        (NCCL's world size is fixed at init), like ``reconnect()``, within
+        ``config.reconnect_timeout_s``. A server that is gone is left
+        without a word to it (a warning says so); one that answers is
+        released, ready for another trainer. Single-process senders only.
+
+        Args:
+            server: its URL (one of ``servers``), or its client.
+
+        Raises:
+            ValueError: not one of ``servers``, or the last one (``close()``).
+            TransferError: a multi-process sender.
+            SenderClosed, SendError, ServerStuck, RendezvousError,
+            NcclError: as ``reconnect``.
+        """
+        self.session.drop_server(server)
+
+    def add_server(self, server: str | VLLMClient, *, workers: int | None = None) -> None:
+        """Push to ``server`` too (a new one, or one dropped and back up):
+        its world size is asked first, so a server that cannot join leaves
+        the sender as it was; then the group is formed again with every
+        server, like ``reconnect()``, within ``config.reconnect_timeout_s``.
+        The next push sends every tensor with its metadata. Single-process
+        senders only.
+
+        Args:
+            server: its URL, or a ``VLLMClient``.
+            workers: its worker count, asked when not given.
+
+        Raises:
+            ValueError: a URL that is not http(s), or already one of ``servers``.
+            TransferError: a multi-process sender.
+            RendezvousError: it cannot join (nothing changed), or the new
+                group did not form.
+            SenderClosed, SendError, ServerStuck, NcclError: as ``reconnect``.
+        """
+        self.session.add_server(server, workers=workers)
 
     def close(self) -> None:
         """Let a push in flight end on the servers (within its deadlines),

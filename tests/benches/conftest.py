@@ -19,7 +19,7 @@ import pytest
 BENCHES = pathlib.Path(__file__).resolve().parents[2] / "benches"
 # Each after the ones it imports. The roles, the floor and the entry point
 # import JAX and the sender and run on GPUs: not loaded here.
-IMPORT_ORDER = ("procs", "workloads", "rows", "report", "per_op")
+IMPORT_ORDER = ("procs", "workloads", "rows", "report", "per_op", "fleet")
 
 
 def load_benches(names: tuple[str, ...] = IMPORT_ORDER) -> SimpleNamespace:
@@ -41,5 +41,6 @@ def load_benches(names: tuple[str, ...] = IMPORT_ORDER) -> SimpleNamespace:
 
 @pytest.fixture(scope="session")
 def bench() -> SimpleNamespace:
-    """``bench.rows``, ``bench.report``, ``bench.workloads``, ``bench.per_op``, ``bench.procs``."""
+    """``bench.rows``, ``bench.report``, ``bench.workloads``, ``bench.per_op``, ``bench.procs``,
+    ``bench.fleet``."""
     return load_benches()

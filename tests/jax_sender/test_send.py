@@ -275,28 +275,29 @@ def test_sends_from_two_threads_take_turns():
     assert held(server) in (expected(params(1)), expected(params(2)))
 
 
-def test_a_blocking_push_talks_http_on_the_callers_thread():
-    """A blocking send makes its HTTP calls itself, as vLLM's torch engine
-    does (each handoff between threads costs a wake-up), except the
-    ``/update_weights`` in flight while the broadcasts run; the broadcasts run
-    on the NCCL thread."""
-    sender, (server,), caster = memory_sender(SMALL)
+def test_a_push_talks_http_on_the_http_loop_and_broadcasts_on_the_nccl_thread():
+    """Every HTTP call of a push, to any number of servers, is made on the
+    process's one HTTP loop (``vllm-http``: one thread, not one per server
+    or call); the broadcasts run on the NCCL thread."""
+    sender, servers, caster = memory_sender(SMALL, servers=3)
     seen = []
-    client = sender.session.clients[0]
-    for name in ("start_weight_update", "update_weights", "finish_weight_update"):
-        call = getattr(client, name)
-        setattr(client, name, lambda *a, call=call, name=name, **k: (
-            seen.append((name, threading.current_thread().name)), call(*a, **k))[1])
+    for client in sender.session.clients:
+        exchange = client._pool.exchange
+
+        async def watched(request, *a, exchange=exchange, **k):
+            seen.append((request.target.decode(), threading.current_thread().name))
+            return await exchange(request, *a, **k)
+
+        client._pool.exchange = watched
     put = caster._put
     caster._put = lambda *a: (seen.append(("broadcast", threading.current_thread().name)),
                               put(*a))[1]
     sender.send(params())
-    me = threading.current_thread().name
-    assert [s for s in seen if s[0] != "broadcast"] == [
-        ("start_weight_update", me), ("update_weights", "vllm-update"),
-        ("finish_weight_update", me)]
+    routes = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    assert sorted(s for s in seen if s[0] != "broadcast") == [
+        (r, "vllm-http") for r in sorted(routes) for _ in servers]
     assert {s for s in seen if s[0] == "broadcast"} == {("broadcast", "jax-sender-nccl")}
-    assert held(server) == expected(params())
+    assert all(held(s) == expected(params()) for s in servers)
 
 
 def test_staging_bound_too_small_falls_back_to_a_blocking_push():

@@ -77,15 +77,17 @@ class MemoryJoin:
 
 
 class _Tee:
-    """One broadcast reaches every server's wire."""
+    """One broadcast reaches the wire of every server of the group (by URL:
+    ``follow`` a new group's servers after a change of the fleet)."""
 
-    def __init__(self, wires: list[queue.Queue]):
-        self.wires = wires
+    def __init__(self, wires: dict[str, queue.Queue]):
+        self.by_url = wires
+        self.urls = list(wires)
 
     def put(self, root: int, data: bytes) -> list[threading.Event]:
-        taken = [threading.Event() for _ in self.wires]
-        for w, e in zip(self.wires, taken):
-            w.put((root, data, e))
+        taken = [threading.Event() for _ in self.urls]
+        for url, e in zip(self.urls, taken):
+            self.by_url[url].put((root, data, e))
         return taken
 
 
@@ -158,6 +160,13 @@ class MemoryBroadcaster:
     def close(self) -> None:
         self.closed = True
 
+    def follow(self, conn: Any) -> MemoryBroadcaster:
+        """This broadcaster for ``conn``'s group: its broadcasts reach that
+        group's servers (a dropped one no more, one added too)."""
+        self.wire.urls = [c.base_url for c in conn.clients]
+        self.closed = False
+        return self
+
 
 def memory_route(config: SendConfig = SendConfig(), *, servers: int = 1, workers: int = 1,
                  sparse: bool = False) -> tuple[SingleProcess, list[MemoryServer], _Tee]:
@@ -165,11 +174,10 @@ def memory_route(config: SendConfig = SendConfig(), *, servers: int = 1, workers
     of ``workers`` workers each, joined through ``MemoryJoin``, and the wire
     that feeds them all: for a test that forms the group itself (to hold an
     init past its deadline, say); ``sender_on`` makes the sender."""
-    wires = [queue.Queue() for _ in range(servers)]
-    hosts = [MemoryServer(w, workers=workers, sparse=sparse) for w in wires]
+    hosts = [MemoryServer(queue.Queue(), workers=workers, sparse=sparse) for _ in range(servers)]
     clients = [VLLMClient(h.url, timeout=20) for h in hosts]
     route = SingleProcess(clients=clients, device=0, config=config, joiner=MemoryJoin())
-    return route, hosts, _Tee(wires)
+    return route, hosts, _Tee({h.url: h.wire for h in hosts})
 
 
 def sender_on(route: SingleProcess, wire: _Tee, *, delay_s: float = 0.0,
@@ -178,7 +186,7 @@ def sender_on(route: SingleProcess, wire: _Tee, *, delay_s: float = 0.0,
     now within the config's ``init_timeout_s``."""
     caster = MemoryBroadcaster(wire, delay_s)
     session = Session(route, route.form(route.config.init_timeout_s), route.config,
-                      broadcaster=lambda _: caster)
+                      broadcaster=caster.follow)
     return kind(session, device=jax.devices("cpu")[0], **kwargs), caster
 
 
@@ -196,3 +204,70 @@ def memory_sender(config: SendConfig = SendConfig(), *, servers: int = 1, worker
                                       sparse=kind is SparseSender)
     sender, caster = sender_on(route, wire, delay_s=delay_s, kind=kind, **kwargs)
     return sender, hosts, caster
+
+
+class NullBroadcaster:
+    """A data plane that moves nothing: each broadcast reads its arrays (the
+    sender's own work) and ends at once. For the fleet bench and tests,
+    whose do-nothing servers (``support.idle_servers``) receive nothing."""
+
+    started = host_s = link_s = 0.0
+    link_bytes = 0
+
+    def packed(self, metas, chunks, get, root, *, timeout, check, temporaries=True) -> None:
+        for c in chunks:
+            for i in range(c.start, c.stop):
+                get(i)
+            check()
+
+    def produced(self, chunks, make, root, *, timeout, check, reuse=False) -> None:
+        for k in range(len(chunks)):
+            make(k, None)
+            check()
+
+    def unpacked(self, metas, get, root, *, timeout, check) -> None:
+        for i in range(len(metas)):
+            get(i)
+            check()
+
+    def scratch(self, parts, root, *, timeout, check, fill=None) -> None:
+        check()
+
+    def complete(self, parts, root, *, timeout, check, fill=None) -> None:
+        check()
+
+    def close(self) -> None:
+        pass
+
+
+def restarted(server: MemoryServer, wire: Any) -> MemoryServer:
+    """``server`` stopped, and a fresh one (nothing held, no engine) serving
+    on its URL, its wire taken by ``wire`` (the link's ``_Tee``): a vLLM
+    restarted where it was."""
+    server.close()
+    port = int(server.url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            fresh = MemoryServer(queue.Queue(), workers=server.workers, sparse=server.sparse,
+                                 port=port)
+            break
+        except OSError:  # the old one's socket is still closing
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    wire.by_url[fresh.url] = fresh.wire
+    return fresh
+
+
+def null_sender(urls: list[str], config: SendConfig = SendConfig()) -> WeightSender:
+    """A ``WeightSender`` on JAX's first CPU device, its group formed through
+    the real ``uniqueid.connect`` with the servers at ``urls`` (their clients
+    made here, as ``WeightSender.connect`` makes them), over ``MemoryJoin``
+    and a ``NullBroadcaster``."""
+    from uniqueid import as_clients
+    route = SingleProcess(clients=as_clients(urls), device=0, config=config,
+                          joiner=MemoryJoin())
+    session = Session(route, route.form(config.init_timeout_s), config,
+                      broadcaster=lambda _: NullBroadcaster())
+    return WeightSender(session, device=jax.devices("cpu")[0])

@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import math
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -272,10 +274,12 @@ class MemoryServer:
     bytes, then drops the session); ``hold`` maps a path to an event its handler
     waits on (up to 60 s) after logging the arrival, before anything else;
     ``stall`` maps a path to an event its handler waits on after doing its
-    work (taking the bytes, say), before answering.
+    work (taking the bytes, say), before answering. ``port``: the loopback
+    port to serve on (0: a free one; a server restarted where it was).
     """
 
-    def __init__(self, wire: queue.Queue, *, workers: int = 1, sparse: bool = False):
+    def __init__(self, wire: queue.Queue, *, workers: int = 1, sparse: bool = False,
+                 port: int = 0):
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.wire, self.workers, self.sparse = wire, workers, sparse
@@ -300,10 +304,26 @@ class MemoryServer:
         # A worker runs one RPC at a time (collective_rpc is queued to each worker
         # process); engine-level routes (/is_paused, /pause, ...) do not wait on it.
         self._rpc = threading.Lock()
-        self._state = threading.Lock()  # the log, pause flag and weight version
+        self._state = threading.Lock()  # the log, pause flag, weight version, connections
+        self._connections: set[socket.socket] = set()
+        self.http, self.url = serve(self._handler(), port)
+
+    def _handler(self) -> type[JSONHandler]:
+        """The request handler: logs each call, applies ``hold``, ``fail`` and
+        ``stall``, answers like vLLM's router; tracks its connection (``kill``)."""
         server = self
 
         class Handler(JSONHandler):
+            def setup(self) -> None:
+                super().setup()
+                with server._state:
+                    server._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._state:
+                    server._connections.discard(self.connection)
+                super().finish()
+
             def _do(self) -> None:
                 raw = self.body()
                 split = urlsplit(self.path)
@@ -332,7 +352,7 @@ class MemoryServer:
 
             do_GET = do_POST = do_PUT = do_DELETE = _do
 
-        self.http, self.url = serve(Handler)
+        return Handler
 
     # ---- the log ---------------------------------------------------------
 
@@ -353,6 +373,20 @@ class MemoryServer:
             self.http.server_close()
 
         threading.Thread(target=stop, daemon=True).start()
+
+    def kill(self) -> None:
+        """Gone at once, as a SIGKILLed vLLM: the port refuses connections and
+        every open connection is reset (``close`` lets kept ones serve on)."""
+        for event in [*self.hold.values(), *self.stall.values()]:
+            event.set()
+        self.http.shutdown()
+        self.http.server_close()
+        with self._state:
+            open_now = list(self._connections)
+        for sock in open_now:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
 
     # ---- HTTP layer (api_router.py) ---------------------------------------
 

@@ -33,9 +33,10 @@ class JSONHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve(handler: type[JSONHandler]) -> tuple[ThreadingHTTPServer, str]:
-    """``handler`` served on a free loopback port, on a daemon thread; the server and its URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serve(handler: type[JSONHandler], port: int = 0) -> tuple[ThreadingHTTPServer, str]:
+    """``handler`` served on loopback port ``port`` (0: a free one), on a
+    daemon thread; the server and its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"

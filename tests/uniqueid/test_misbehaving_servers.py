@@ -25,6 +25,7 @@ from uniqueid import (
     VLLMProtocolError,
     VLLMTimeout,
     redact,
+    transport,
 )
 from uniqueid.codec import redacted_head
 
@@ -66,7 +67,9 @@ def open_fds() -> int:
 @contextmanager
 def leaves_nothing_behind():
     """No thread or file descriptor more after the block than before (fewer
-    is fine: another test's server threads may end meanwhile)."""
+    is fine: another test's server threads may end meanwhile). The process's
+    one HTTP loop, kept for its life, is started before counting."""
+    transport.loop()
     threads, fds = threading.active_count(), open_fds()
     yield
     assert threading.active_count() <= threads

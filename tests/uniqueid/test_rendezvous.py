@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from concurrent import futures
-from concurrent.futures import Future
 
 import pytest
 
@@ -75,27 +74,27 @@ class AnsweredJoin(MemoryJoin):
     """A join that returns once every init post has its answer (``posts``):
     the trainer's init done, what the servers said still to be read."""
 
-    def __init__(self, posts: list[Future]) -> None:
+    def __init__(self, posts: list) -> None:
         super().__init__()
         self.posts = posts
 
     def join(self, world_size, unique_id, rank, device, *, timeout, check):
-        futures.wait(self.posts, timeout=10)
+        futures.wait([p.ended for p in self.posts], timeout=10)
         return super().join(world_size, unique_id, rank, device, timeout=timeout,
                             check=lambda: None)
 
 
 @pytest.fixture
-def posts(monkeypatch) -> list[Future]:
-    """The futures of the init posts ``connect`` makes (watched through
-    ``in_background``, which posts them)."""
-    made, post = [], rendezvous.in_background
+def posts(monkeypatch) -> list:
+    """The init posts ``connect`` makes, all servers' at once: each a
+    ``fleet.Calls`` (watched where the rendezvous makes them)."""
+    made, calls = [], rendezvous.Calls
 
-    def watched(fn, *args, name):
-        made.append(post(fn, *args, name=name))
+    def watched(*args, **kwargs):
+        made.append(calls(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(rendezvous, "in_background", watched)
+    monkeypatch.setattr(rendezvous, "Calls", watched)
     return made
 
 
@@ -282,7 +281,7 @@ def test_workers_that_never_join_time_out_naming_the_servers_that_answered(serve
     ``RendezvousTimeout`` with the likely causes and the servers that
     answered."""
     hosts = [servers(1), servers(2)]
-    joiner = WaitingJoin(gives_up=lambda: len(posts) == 2 and all(f.done() for f in posts))
+    joiner = WaitingJoin(gives_up=lambda: bool(posts) and posts[0].ended.done())
     with pytest.raises(RendezvousTimeout) as err:
         connect([h.url for h in hosts], timeout=30, joiner=joiner)
     assert "answered 200 but its workers never joined" in str(err.value)
