@@ -316,7 +316,7 @@ class VLLMClient:
         return self._answer(status, headers, raw, where, route)
 
     async def _exchange(self, method: str, target: str, json: Any, seconds: float, where: str,
-                        route: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                        route: str) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """Send, and read the status, headers and bounded raw body, all
         within ``seconds`` (the body's encoding included)."""
         try:
@@ -343,7 +343,7 @@ class VLLMClient:
                 "check the URL and that the server is up", route) from None
 
     async def _send(self, method: str, target: str, json: Any,
-                    seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                    seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         body = None
         if json is not None:
             body = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
@@ -376,8 +376,8 @@ class VLLMClient:
             f"({how}); vLLM's answers are small JSON objects, so check the URL (or raise "
             "max_body_bytes if this server's answers are that large)", route)
 
-    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes,
-                 where: str, route: str) -> bytes:
+    def _inflate(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes | bytearray,
+                 where: str, route: str) -> bytes | bytearray:
         """The body decoded per its Content-Encoding, bounded like the raw body."""
         encoding = _header(headers, b"content-encoding").lower()
         if encoding in ("", "identity"):
@@ -398,7 +398,7 @@ class VLLMClient:
                                     f"{_NOT_VLLM}", route)
         return out
 
-    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes, where: str,
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], raw: bytes | bytearray, where: str,
                 route: str) -> Any:
         """The decoded JSON object of a final answer, or the error it stands for."""
         raw = self._inflate(status, headers, raw, where, route)

@@ -274,7 +274,7 @@ class Connection(asyncio.Protocol):
 
     # The exchange.
     async def exchange(self, request: h11.Request, body: bytes | None,
-                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """Send ``request`` (and ``body``), read the answer.
 
         Returns:
@@ -300,7 +300,7 @@ class Connection(asyncio.Protocol):
                 raw += event.data
                 if len(raw) > max_body:
                     raise TooBig(response.status_code)
-            return response.status_code, list(response.headers), bytes(raw)
+            return response.status_code, list(response.headers), raw  # not copied: up to max_body
         except h11.ProtocolError as e:
             raise (PeerClosed() if self.peer_closed else Malformed(str(e))) from None
         finally:
@@ -358,7 +358,7 @@ class Pool:
         self._pid = os.getpid()
 
     async def exchange(self, request: h11.Request, body: bytes | None, *, connect_timeout: float,
-                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """One exchange on a kept connection, or a new one.
 
         Raises:
