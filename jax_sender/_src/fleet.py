@@ -36,7 +36,7 @@ from uniqueid import (
 )
 
 from .errors import TransferError
-from .routes import Route, SingleProcess
+from .routes import ProcessGroup, Route, SingleProcess
 
 log = logging.getLogger("jax_sender")
 
@@ -60,7 +60,7 @@ class DroppedServer:
 def fleet_of(route: Route) -> list[VLLMClient]:
     """The servers this process talks to: the route's own list, changed in
     place (process 0's in a group; none on the other processes)."""
-    return route.clients if isinstance(route, SingleProcess) else route.group.clients
+    return route.group.clients if isinstance(route, ProcessGroup) else route.clients
 
 
 def single(route: Route, what: str) -> SingleProcess:
