@@ -17,7 +17,9 @@ from .rendezvous import (
     Connection,
     Joiner,
     as_clients,
+    check_engines,
     connect,
+    engine_answers,
     handshake,
     preflight,
     release,
@@ -37,6 +39,7 @@ __all__ = [
     "InitInfo", "Joiner", "MAX_WORKERS", "NCCL_JOIN", "RendezvousError", "RendezvousTimeout",
     "ServerStuck", "SparseUpdateInfo", "UNIQUE_ID_BYTES", "UniqueId", "UniqueIdError",
     "UpdateInfo", "VLLMClient", "VLLMConnectionError", "VLLMHTTPError", "VLLMProtocolError",
-    "VLLMTimeout", "as_clients", "check_rendezvous_mode", "connect", "handshake", "preflight",
+    "VLLMTimeout", "as_clients", "check_engines", "check_rendezvous_mode", "connect",
+    "engine_answers", "handshake", "preflight",
     "redact", "release", "warm_up", "world_sizes",
 ]

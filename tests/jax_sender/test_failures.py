@@ -238,9 +238,10 @@ def test_reconnect_finishes_a_session_left_open_on_the_server():
     sender, (server,), _ = memory_sender(SMALL)
     sender.session.clients[0].start_weight_update()
     sender.reconnect()
-    assert server.routes()[-6:] == ["/start_weight_update", "/shutdown_weight_transfer_engine",
+    assert server.routes()[-8:] == ["/start_weight_update", "/shutdown_weight_transfer_engine",
                                     "/finish_weight_update", "/shutdown_weight_transfer_engine",
-                                    "/get_world_size", "/init_weight_transfer_engine"]
+                                    "/get_world_size", "/is_paused", "/weight_info",
+                                    "/init_weight_transfer_engine"]
     assert calls(server, "/shutdown_weight_transfer_engine")[0].status == 500
     sender.send(params(1))
     assert held(server) == expected(params(1))
