@@ -50,11 +50,13 @@ class Guard:
     Attributes:
         count: the Ctrl-Cs so far.
         raised: one was raised (later ones are then ignored until the end).
+        note: logged at a first Ctrl-C held outside a window (None: nothing).
     """
 
     def __init__(self) -> None:
         self.count = 0
         self.raised = False
+        self.note: str | None = None
         self._at: int | None = None  # the window's: raise at the at-th Ctrl-C
         self._installed = False
 
@@ -69,9 +71,8 @@ class Guard:
             log.warning("Ctrl-C: the sender returns in a moment")
         elif self._at is not None and self.count >= self._at:
             self._raise()
-        elif self.count == 1:
-            log.warning(FIRST_CTRL_C if self._at == SECOND else
-                        "Ctrl-C: held a moment, until the sender can stop without harm")
+        elif self.count == 1 and (self._at == SECOND or self.note):
+            log.warning(FIRST_CTRL_C if self._at == SECOND else self.note)
 
     def _raise(self) -> None:
         self.raised = True

@@ -214,16 +214,13 @@ class PendingSend:
             KeyboardInterrupt: a second Ctrl-C (the push aborted).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        seen = 0
+        guard.note = FIRST_CTRL_C
         while not self.wait_stopped(0.05):
-            if guard.count > seen:
-                seen = guard.count
-                if seen >= 2:
-                    self.abort()
-                    self.wait_stopped(CANCEL_GRACE_S)
-                    raise KeyboardInterrupt(SECOND_CTRL_C)
-                log.warning(FIRST_CTRL_C)
-            if not seen and deadline is not None and time.monotonic() > deadline:
+            if guard.count >= 2:
+                self.abort()
+                self.wait_stopped(CANCEL_GRACE_S)
+                raise KeyboardInterrupt(SECOND_CTRL_C)
+            if not guard.count and deadline is not None and time.monotonic() > deadline:
                 return False
         return True
 
@@ -614,6 +611,7 @@ class Session:
             raise KeyboardInterrupt("Ctrl-C while close() waited for the push in flight, which "
                                     "goes on; the sender takes no new push: call close() again "
                                     "to release the servers") from None
+        guard.note = "Ctrl-C: close() first finishes releasing the servers (within its deadline)"
         try:
             self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
             for client in getattr(self.route, "clients", []):
