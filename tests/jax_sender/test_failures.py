@@ -195,9 +195,11 @@ def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
                                   "/finish_weight_update", "/shutdown_weight_transfer_engine"]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
-    e = raised_under(sigints(lambda: caster.sent, 1),  # once the first broadcast went out
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-C was sent
+    e = raised_under(sigints(lambda: caster.sent, 1, then=caster.gate.set),
                      lambda: sender.send(params(1)))
     assert isinstance(e, KeyboardInterrupt) and "ended on the servers first" in str(e), repr(e)
     assert held(server) == expected(params(1)) and pushed(server) == SESSION
@@ -208,24 +210,27 @@ def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     assert caster.closed
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
     monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
-    t = time.monotonic()
-    e = raised_under(sigints(lambda: caster.sent, 2),  # once the first broadcast went out
-                     lambda: sender.send(params(1)))
+    caster.gate = threading.Event()  # the push goes on once both Ctrl-Cs were sent
+    fire = sigints(lambda: caster.sent, 2, then=caster.gate.set)
+    e = raised_under(fire, lambda: sender.send(params(1)))
     assert isinstance(e, KeyboardInterrupt) and "second Ctrl-C aborted" in str(e), repr(e)
-    assert time.monotonic() - t < 0.3 + 0.15 + 2.0 + 1.0  # the lane's grace and a margin
+    assert time.monotonic() - fire.last_sent < 2.0 + 1.0  # the lane's grace and a margin
     assert comm(sender).aborted and "Ctrl-C" in sender.broken
     sender.reconnect()  # waits for the server to give its update up
     sender.send(params(2))
     assert held(server) == expected(params(2))
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_while_waiting_on_an_asynchronous_push_lets_it_end():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-C was sent
     pending = sender.send(params(1), wait=False)
-    e = raised_under(sigints(lambda: caster.sent, 1),  # once the first broadcast went out
+    e = raised_under(sigints(lambda: caster.sent, 1, then=caster.gate.set),
                      lambda: pending.result(timeout=20))
     assert isinstance(e, KeyboardInterrupt) and "ended on the servers first" in str(e), repr(e)
     assert pending.done() and pending.result().tensors == 5 and not sender.broken

@@ -129,6 +129,7 @@ def test_a_finish_refused_after_an_empty_session_leaves_the_sender_knowing(step)
 # -- Ctrl-C ----------------------------------------------------------------
 
 @pytest.mark.parametrize("wait", [True, False], ids=["blocking", "async"])
+@pytest.mark.usefixtures("python_sigint")
 def test_a_second_ctrl_c_while_waiting_for_the_arrays_leaves_no_session_open(wait, step):
     """Promise 2/3. Two Ctrl-Cs while the push waits for its arrays (after
     ``/start_weight_update``): ``Transaction._start`` re-raises the
@@ -150,6 +151,7 @@ def test_a_second_ctrl_c_while_waiting_for_the_arrays_leaves_no_session_open(wai
     assert not server.active or sender.broken, (pushed(server)[3:], sender.broken)
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_third_ctrl_c_does_not_undo_the_abort(monkeypatch):
     """Promise 3 ("the sender is broken until reconnect()"). The second
     Ctrl-C's handler (``_Interrupts._handle``) puts back Python's default
@@ -158,9 +160,10 @@ def test_a_third_ctrl_c_does_not_undo_the_abort(monkeypatch):
     of ``_fail`` before ``self.broken`` is set and before the communicator
     is aborted. The server is left inside ``/update_weights`` (vLLM's
     workers inside NCCL) and the sender believes it is healthy."""
-    monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 5.0)
     sender, (server,), caster = memory_sender(SMALL, delay_s=1.0)  # the lane polls once a second
-    fire = sigints(lambda: caster.sent, 3)
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-Cs were sent
+    fire = sigints(lambda: caster.sent, 3, then=caster.gate.set)
     e = raised_under(fire, lambda: sender.send(params(1)))
     assert isinstance(e, KeyboardInterrupt), repr(e)
     assert sender.broken and comm(sender).aborted, (sender.broken, pushed(server))
@@ -191,6 +194,7 @@ def test_a_ctrl_c_right_after_the_update_is_posted_is_an_abort(monkeypatch):
     assert sender.broken, "an update was posted: its broadcasts never came"
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_does_not_hide_an_abort():
     """Promise 2's wording for the first Ctrl-C: "lets the push in flight
     end on the servers ... then raises KeyboardInterrupt". When the push
@@ -199,7 +203,8 @@ def test_a_first_ctrl_c_does_not_hide_an_abort():
     replacing the ``SendError`` that says to ``reconnect()``."""
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
     server.fail["/finish_weight_update"] = 500
-    fire = sigints(lambda: caster.sent, 1)
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-C was sent
+    fire = sigints(lambda: caster.sent, 1, then=caster.gate.set)
     e = raised_under(fire, lambda: sender.send(params(1)))
     assert sender.broken
     assert e is not None
@@ -517,6 +522,7 @@ def _every_line(case, lines) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("python_sigint")
 def test_one_ctrl_c_at_any_line_of_a_blocking_send_leaves_the_sender_usable(trees):
     """Issue 35, item 1: a SIGINT while ``send`` is admitted or enters its
     interrupt guard raised ``KeyboardInterrupt`` with the session's turn
@@ -529,13 +535,14 @@ def test_one_ctrl_c_at_any_line_of_a_blocking_send_leaves_the_sender_usable(tree
     def case(where):
         sender, server = _fresh(trees)
         busy = busy_kept_threads()
-        _, e = sigint_at(where, lambda: sender.send(trees[1]))
+        e = sigint_at(where, lambda: sender.send(trees[1]))
         return _outcome(e, sender) + _usable_then_closed(sender, server, trees, busy)
 
     _every_line(case, lines)
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("python_sigint")
 def test_one_ctrl_c_at_any_line_of_an_asynchronous_send_leaves_the_sender_usable(trees):
     """Issue 35, item 1: a SIGINT while ``send(wait=False)`` starts its
     push's thread (a fresh one here: the kept ones are set aside) lost the
@@ -564,7 +571,7 @@ def test_one_ctrl_c_at_any_line_of_an_asynchronous_send_leaves_the_sender_usable
     def case(where):
         sender, server = _fresh(trees)
         busy, got = busy_kept_threads(), []
-        _, e = on_a_fresh_thread(lambda: sigint_at(where, lambda: push(sender, got)))
+        e = on_a_fresh_thread(lambda: sigint_at(where, lambda: push(sender, got)))
         problems = _outcome(e, sender)
         if got:
             ended, out = bounded(lambda: got[0].result(), CONFIG.send_timeout_s + 10)
@@ -576,6 +583,7 @@ def test_one_ctrl_c_at_any_line_of_an_asynchronous_send_leaves_the_sender_usable
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("python_sigint")
 def test_one_ctrl_c_at_any_line_of_a_wait_for_a_push_leaves_the_sender_usable(trees):
     """``PendingSend.result()``: one Ctrl-C lets the push end (it is never
     lost), and the sender stays usable."""
@@ -594,7 +602,7 @@ def test_one_ctrl_c_at_any_line_of_a_wait_for_a_push_leaves_the_sender_usable(tr
         sender, server = _fresh(trees)
         busy = busy_kept_threads()
         pending = in_flight(sender, server)
-        _, e = sigint_at(where, lambda: pending.result(20))
+        e = sigint_at(where, lambda: pending.result(20))
         problems = _outcome(e, sender)
         ended, out = bounded(lambda: pending.result(), CONFIG.send_timeout_s + 10)
         if not ended or isinstance(out, BaseException) or held(server) != expected(trees[1]):
@@ -605,6 +613,7 @@ def test_one_ctrl_c_at_any_line_of_a_wait_for_a_push_leaves_the_sender_usable(tr
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("python_sigint")
 def test_one_ctrl_c_at_any_line_of_close_then_close_again_releases_everything(trees):
     """Issue 35, item 2: a SIGINT while ``close()`` waited for the push in
     flight left it half closed: a second ``close()`` waited for the last
@@ -627,7 +636,7 @@ def test_one_ctrl_c_at_any_line_of_close_then_close_again_releases_everything(tr
         sender, server = _fresh(trees)
         busy = busy_kept_threads()
         pending = in_flight(sender, server)
-        _, e = sigint_at(where, sender.close)
+        e = sigint_at(where, sender.close)
         problems = [] if e is None or isinstance(e, KeyboardInterrupt) else [f"raised {e!r}"]
         ended, out = bounded(lambda: pending.result(), CONFIG.send_timeout_s + 10)
         if not ended or isinstance(out, BaseException) or held(server) != expected(trees[1]):
@@ -651,8 +660,10 @@ def test_a_ctrl_c_aimed_at_a_push_that_already_ended_cannot_end_the_run():
     loaded host). In a child: SIGINTs aimed at calls that return at once,
     and others a failed test never ended; the child must live on."""
     script = textwrap.dedent("""
+        import signal
         import time
         from support.concurrency import raised_under, sigints
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's run has
         for _ in range(20):  # aimed at calls that return at once
             e = raised_under(sigints(lambda: True, 3, gap=0.01), lambda: None)
             assert e is None or isinstance(e, KeyboardInterrupt), repr(e)

@@ -33,24 +33,30 @@ def wait_for(pred: Callable[[], object], seconds: float = 10.0, poll: float = 0.
 class Sigints:
     """SIGINT to the main thread ``times`` times, ``gap`` apart, once
     ``raised_under`` runs its call and ``when()`` (none if it does not come
-    within 10 s), until ``end()``."""
+    within 60 s), until ``end()``; then, in any case, ``then()``: it may open
+    a gate that kept the push going meanwhile (a loaded host may run this
+    thread late, after a push that did not wait for it had ended)."""
 
-    def __init__(self, when: Callable[[], object], times: int, gap: float):
+    def __init__(self, when: Callable[[], object], times: int, gap: float,
+                 then: Callable[[], object] = lambda: None):
         self._armed, self._stop = threading.Event(), threading.Event()
-        self._when, self._times, self._gap = when, times, gap
+        self._when, self._times, self._gap, self._then = when, times, gap, then
+        self.last_sent: float | None = None  # when the last SIGINT went (time.monotonic())
         self._thread = threading.Thread(target=self._fire, daemon=True)
         self._thread.start()
 
     def _fire(self) -> None:
         self._armed.wait()
-        if not wait_for(lambda: self._stop.is_set() or self._when(), 10):
-            return
-        main = threading.main_thread().ident
-        for _ in range(self._times):
-            if self._stop.is_set():
-                return
-            signal.pthread_kill(main, signal.SIGINT)
-            self._stop.wait(self._gap)
+        if wait_for(lambda: self._stop.is_set() or self._when(), 60):
+            main = threading.main_thread().ident
+            for k in range(self._times):
+                if self._stop.is_set():
+                    break
+                signal.pthread_kill(main, signal.SIGINT)
+                self.last_sent = time.monotonic()
+                if k + 1 < self._times:
+                    self._stop.wait(self._gap)
+        self._then()
 
     def arm(self) -> None:
         """From now on, send once ``when()``."""
@@ -67,9 +73,10 @@ class Sigints:
             pass
 
 
-def sigints(when: Callable[[], object], times: int, gap: float = 0.15) -> Sigints:
-    """``Sigints(when, times, gap)``, for ``raised_under`` (nothing is sent before)."""
-    return Sigints(when, times, gap)
+def sigints(when: Callable[[], object], times: int, gap: float = 0.15,
+            then: Callable[[], object] = lambda: None) -> Sigints:
+    """``Sigints(when, times, gap, then)``, for ``raised_under`` (nothing is sent before)."""
+    return Sigints(when, times, gap, then)
 
 
 def raised_under(fire: Sigints, call: Callable[[], object]) -> BaseException | None:
@@ -118,12 +125,12 @@ def line_events(call: Callable[[], object], files: Sequence[str]) -> list[Line]:
     return list(seen)
 
 
-def sigint_at(where: Line, call: Callable[[], object]) -> tuple[bool, BaseException | None]:
+def sigint_at(where: Line, call: Callable[[], object]) -> BaseException | None:
     """``call()`` with a real SIGINT raised on this (the main) thread the first
     time it reaches line ``where``: CPython runs the handler in place at once
     (``signal.raise_signal``), right before that line, as it would for a
     Ctrl-C pressed then; a ``KeyboardInterrupt`` it raises is raised there.
-    Whether the line was reached, and what ``call()`` raised (None if nothing)."""
+    What ``call()`` raised (None if nothing)."""
     code, line = where
     reached: list[bool] = []
 
@@ -140,10 +147,10 @@ def sigint_at(where: Line, call: Callable[[], object]) -> tuple[bool, BaseExcept
     try:
         call()
     except BaseException as e:  # the caller's to judge
-        return bool(reached), e
+        return e
     finally:
         sys.settrace(None)
-    return bool(reached), None
+    return None
 
 
 def named(where: Line) -> str:
@@ -179,7 +186,7 @@ def busy_kept_threads() -> int:
 
 
 KEPT = {"jax-sender-push", "jax-sender-ready", "jax-sender-nccl", "vllm-update", "vllm-init",
-        "vllm-release", "nccl-init", "share-from-process-0"}
+        "vllm-release", "vllm-probe", "nccl-init", "share-from-process-0"}
 
 
 def together(work: Callable[..., None], args: list[tuple], timeout: float) -> list[BaseException]:

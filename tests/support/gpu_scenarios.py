@@ -689,9 +689,12 @@ def stuck_connect(url: str) -> None:
     """A fresh connect to the server a killed trainer left inside NCCL:
     ``ServerStuck`` naming it and the restart within seconds, not the init's
     deadline (nothing is posted)."""
+    import jax
+
     from jax_sender import SendConfig, WeightSender
     from uniqueid import ServerStuck
     from uniqueid.rendezvous import ENGINE_ANSWER_S
+    jax.devices()  # JAX's start is not connect's
     t = time.monotonic()
     try:
         WeightSender.connect(url, config=SendConfig(init_timeout_s=60))
