@@ -1,4 +1,5 @@
 import os
+import signal
 
 import jax
 import pytest
@@ -20,6 +21,19 @@ GPUS = gpu_count()
 SHARED = GPUS >= 1 and bool(os.environ.get(SHARE_GPUS))
 TWO_RANKS = GPUS >= 2 or SHARED
 FOUR_RANKS = GPUS >= 4 or SHARED
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handling for a test that sends SIGINT: a run
+    started in the background of a script has SIGINT ignored, and its
+    Ctrl-Cs would then test nothing."""
+    before = signal.getsignal(signal.SIGINT)
+    if before in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if before in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, before)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,9 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError, VLLMTimeout
+from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError
+from .errors import ServerStuck
+from .rendezvous import engine_answers
 
 # The NCCL that a stock install of each vLLM release loads (through the torch
 # it pins). NCCL refuses ranks of different versions at init.
@@ -93,19 +95,12 @@ def _check_workers(r: _Report, url: str, client: VLLMClient) -> bool:
     return True
 
 
-def _check_engine(r: _Report, url: str, client: VLLMClient) -> None:
-    """``/is_paused`` and ``/weight_info``, which go through vLLM's engine
-    core: blocked while a worker sits inside an NCCL call."""
-    route = "/is_paused"
+def _check_engine(r: _Report, client: VLLMClient) -> None:
+    """The engine core answers (``engine_answers``, as ``connect`` asks it)."""
     try:
-        paused = client.is_paused()
-        route = "/weight_info"
-        client.weight_info()
-    except VLLMTimeout:
-        r.bad(f"server {url}: its engine does not answer (GET {route} took over "
-              f"{CALL_TIMEOUT:g} s while /get_world_size answered): its workers are likely stuck "
-              "inside NCCL waiting for a trainer that left (vLLM sets no deadline there); "
-              "restart the server")
+        paused = engine_answers(client, CALL_TIMEOUT)
+    except ServerStuck as e:
+        r.bad(f"server {e}")
     except (VLLMHTTPError, VLLMConnectionError, VLLMProtocolError) as e:
         r.bad(f"RL routes: {e}")
     else:
@@ -124,7 +119,7 @@ def _check_server(r: _Report, url: str, nccl: tuple[int, int, int] | None) -> No
     with client:
         if not _check_workers(r, url, client):
             return
-        _check_engine(r, url, client)
+        _check_engine(r, client)
         served, why = None, "GET /version gave no version"
         try:
             served = client.request("GET", "/version").get("version")

@@ -9,7 +9,10 @@ workers waiting inside NCCL for ever, and only a restart of the server frees
 them. So everything the trainer can check is checked first (``preflight``:
 the device exists and takes a context, libnccl loads; the servers' world
 sizes are sane), and only then is the init posted, *concurrently* with the
-trainer's own init, whose deadline bounds the whole call. While it waits it
+trainer's own init, whose deadline bounds the whole call. A server whose
+engine core does not answer (``engine_answers``: a worker still inside an
+NCCL call a dead trainer left) would take the init and never join, so it is
+named (``ServerStuck``) before any init is posted. While it waits it
 watches the HTTP calls: a server that refuses init ends the trainer's init
 at once.
 
@@ -36,8 +39,12 @@ from nccl_cffi import (
 )
 
 from . import transport
-from .client import VLLMClient, VLLMHTTPError, VLLMTimeout
-from .codec import UniqueId
+from .client import (
+    VLLMClient,
+    VLLMHTTPError,
+    VLLMTimeout,
+)
+from .codec import UNIQUE_ID_BYTES, UniqueId
 from .errors import RendezvousError, RendezvousTimeout, ServerStuck
 from .fleet import GRACE_S, Calls, call_all
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
@@ -51,6 +58,12 @@ _ANSWER_RESERVE_MAX_S = 5.0
 # The most workers one server may report: far beyond any deployment; a
 # larger answer is a misconfigured or impostor server.
 MAX_WORKERS = 1 << 16
+# How long a server's engine core may take to answer a question before it is
+# taken as stuck: a healthy one answers between two engine steps, one whose
+# worker sits inside an NCCL call never does.
+ENGINE_ANSWER_S = 5.0
+# Stands in for the group's id while the settings are checked, before it is minted.
+_ANY_ID = UniqueId(bytes(UNIQUE_ID_BYTES))
 
 Servers = str | VLLMClient | Sequence[str | VLLMClient]
 
@@ -410,6 +423,70 @@ def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | No
     return workers
 
 
+def engine_answers(client: VLLMClient, timeout: float) -> bool:
+    """Whether the server's engine core answers: ``GET /is_paused``, then
+    ``GET /weight_info``, both within ``timeout``.
+
+    Why these: vLLM's engine core answers them between engine steps, and
+    not at all while a worker sits inside an NCCL call (left there by a
+    trainer that died mid-push: vLLM sets no deadline), whereas its API
+    process answers ``/get_world_size`` from its config either way. This is
+    the test ``doctor`` makes, and ``connect`` makes before any init.
+
+    Args:
+        client: the server.
+        timeout: seconds for both answers.
+
+    Returns:
+        Whether generation is paused there.
+
+    Raises:
+        ServerStuck: no answer within ``timeout``: restart that server.
+        VLLMHTTPError, VLLMConnectionError, VLLMProtocolError: it answered
+            with an error, or could not be reached (as ``VLLMClient.request``).
+    """
+    return transport.run(_engine_core(client, timeout))
+
+
+async def _engine_core(client: VLLMClient, timeout: float) -> bool:
+    """``engine_answers`` on the HTTP loop."""
+    deadline, route = Deadline(timeout), "/is_paused"
+    try:
+        paused = await VLLMClient.is_paused.coroutine(client, timeout=_seconds_left(deadline))
+        route = "/weight_info"
+        await VLLMClient.weight_info.coroutine(client, timeout=_seconds_left(deadline))
+    except (VLLMTimeout, RendezvousTimeout) as e:
+        raise ServerStuck(
+            f"{client.base_url}: its engine does not answer (GET {route} took over {timeout:.2g} s, "
+            "where a healthy vLLM answers between two engine steps): its workers are likely "
+            "stuck inside NCCL waiting for a trainer that left (vLLM sets no deadline there); "
+            "restart that server") from e
+    return paused
+
+
+def check_engines(clients: Sequence[VLLMClient], deadline: Deadline) -> None:
+    """``engine_answers`` for every server at once (on the HTTP loop), each
+    within ``ENGINE_ANSWER_S`` and ``deadline``: a server stuck inside NCCL
+    would take the init and never join, and the trainer would wait its whole
+    init deadline; so it is named before anything is posted to any server.
+
+    Args:
+        clients: the servers.
+        deadline: bounds the questions.
+
+    Raises:
+        ServerStuck: naming each server whose engine did not answer.
+        RendezvousTimeout: ``deadline`` had passed.
+    """
+    seconds = min(ENGINE_ANSWER_S, _seconds_left(deadline))
+    calls = Calls(clients, lambda i, left: _engine_core(clients[i], seconds),
+                  deadline=Deadline(seconds))
+    calls.wait()
+    stuck = [str(e) for e in calls.errors if isinstance(e, ServerStuck)]
+    if stuck:  # others answered, or cannot be reached: the init will say which
+        raise ServerStuck("; ".join(stuck))
+
+
 def connect(servers: Servers, *, device: int = 0,
             workers: Sequence[int] | int | None = None, packed: bool = True,
             packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -448,6 +525,8 @@ def connect(servers: Servers, *, device: int = 0,
         RendezvousError: a server refused, or a setting is invalid; also a
             server's ``/get_world_size`` failing (a ``VLLMHTTPError``, ...).
         RendezvousTimeout: the group did not form within ``timeout``.
+        ServerStuck: a server's engine does not answer (its workers are
+            most likely inside NCCL: restart it); nothing was posted.
         NcclError: NCCL could not mint the id, or refused the trainer's init
             or warm-up (a version mismatch, a duplicate GPU, ...).
     """
@@ -459,11 +538,13 @@ def connect(servers: Servers, *, device: int = 0,
     owned = _made_here(servers)
     clients = as_clients(servers)
     counts = world_sizes(clients, workers, deadline)
+    settings = dict(packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
+                    packed_num_buffers=packed_num_buffers, use_load_plan=use_load_plan,
+                    metadata=metadata)
+    _init_infos(_ANY_ID, counts, trainer_ranks, **settings)  # refused before any more calls
+    check_engines(clients, deadline)  # before the id is minted: NCCL's listens until an init
     uid = unique_id or joiner.mint()
-    infos = _init_infos(uid, counts, trainer_ranks, packed=packed,
-                        packed_buffer_size_bytes=packed_buffer_size_bytes,
-                        packed_num_buffers=packed_num_buffers, use_load_plan=use_load_plan,
-                        metadata=metadata)
+    infos = _init_infos(uid, counts, trainer_ranks, **settings)
     comm = _join(clients, infos, joiner, device, deadline)
     return Connection(comm, clients, infos, device, uid, owns_clients=owned)
 

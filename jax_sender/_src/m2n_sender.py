@@ -23,6 +23,7 @@ senders'.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -35,7 +36,8 @@ import numpy as np
 
 from nccl_cffi import NCCL_TYPES, Deadline, poll_until
 from nccl_cffi.m2n import DistTensor
-from uniqueid import RendezvousError, as_clients
+from uniqueid import RendezvousError, VLLMClient, as_clients
+from uniqueid.fleet import call_all
 from uniqueid.m2n_agreement import REPLICATE, M2NMesh, M2NWireParam
 from uniqueid.m2n_plan import resolve_layout, validate_layout
 
@@ -50,7 +52,7 @@ from .push import PreparedPush, Round
 from .resharder import Resharder, ReshardPart, Reshards
 from .routes import M2NRoute, usable_device
 from .sender import Servers, VerifyResult, check_push
-from .session import PendingSend, Session
+from .session import PendingSend, Session, Ticket
 from .stats import SendStats
 
 log = logging.getLogger("jax_sender")
@@ -231,23 +233,29 @@ class M2NSender:
         if not wait and not self.session.route.alone:
             raise TransferError("send(wait=False) needs a single trainer process: every "
                                 "process reshards in step")
-        with self.session.admit() as ticket:
-            metas, sources = self._descriptions.of(params)
-            self._check_plan(metas, sources)
-            get = self._getter(sources, snapshot=not wait)
-            arrays = all(isinstance(a, jax.Array) for a in sources.arrays)
-            push = self._prepared(get, readiness(sources) if wait and arrays else None)
-            push.weight_version, push.pause = weight_version, pause
-            push.stats.prepare_s = time.perf_counter() - t0
-            if self.session.route.alone:
-                return self.session.run(ticket, push, background=not wait, t0=t0)
-            try:
-                stats = self.session.run(ticket, push, background=False, t0=t0)
-            except BaseException as e:
-                self._round_outcome(e, push.bound_s)
-                raise
-            self._round_outcome(None, push.bound_s)
-            return stats
+        return self.session.in_turn(functools.partial(
+            self._push, params, weight_version=weight_version, pause=pause, wait=wait, t0=t0))
+
+    def _push(self, params: Any, ticket: Ticket, *, weight_version: str | None,
+              pause: str | None, wait: bool, t0: float) -> SendStats | PendingSend:
+        """``send`` in the caller's turn: hold the arrays to the plan, then run
+        the push (several processes: then share its outcome)."""
+        metas, sources = self._descriptions.of(params)
+        self._check_plan(metas, sources)
+        get = self._getter(sources, snapshot=not wait)
+        arrays = all(isinstance(a, jax.Array) for a in sources.arrays)
+        push = self._prepared(get, readiness(sources) if wait and arrays else None)
+        push.weight_version, push.pause = weight_version, pause
+        push.stats.prepare_s = time.perf_counter() - t0
+        if self.session.route.alone:
+            return self.session.run(ticket, push, background=not wait, t0=t0)
+        try:
+            stats = self.session.run(ticket, push, background=False, t0=t0)
+        except BaseException as e:
+            self._round_outcome(e, push.bound_s)
+            raise
+        self._round_outcome(None, push.bound_s)
+        return stats
 
     def _round_outcome(self, failure: BaseException | None, bound_s: float) -> None:
         """vLLM's M2N trainer's last step of a round with several trainer
@@ -351,23 +359,28 @@ class M2NSender:
             SenderClosed, SendError: as ``WeightSender.verify``.
             RendezvousError: the server did not answer as vLLM does.
         """
-        with self.session.admit():
-            metas, sources = self._descriptions.of(params)
-            self._check_plan(metas, sources)
-            conn = self.session.connection
-            held = [c.weight_checker("checksum")["checksums"] for c in conn.clients]
-            seen: dict[str, bool] = {}
-            for k, (path, array) in enumerate(sources):
-                full = _full(self.mapping, path, array)
-                for key, digest in (kv for h in held for kv in h.items()):
-                    name, worker = _worker_of(key)
-                    if name == metas[k].name:
-                        wants = _digests(full, conn, k, worker)
-                        seen[name] = seen.get(name, True) and digest in wants
+        metas, seen = self.session.in_turn(lambda _: self._checked(params))
         names = [m.name for m in metas]
         return VerifyResult(matched=tuple(n for n in names if seen.get(n) is True),
                             mismatched=tuple(n for n in names if seen.get(n) is False),
                             unchecked=tuple(n for n in names if n not in seen))
+
+    def _checked(self, params: Any) -> tuple[list[TensorMeta], dict[str, bool]]:
+        """The plan's metadata, and by name whether every worker's digest is
+        one its block of ``params`` gives (every server asked at once)."""
+        metas, sources = self._descriptions.of(params)
+        self._check_plan(metas, sources)
+        conn = self.session.connection
+        held = call_all(conn.clients, VLLMClient.weight_checker, "checksum",
+                        deadline=Deadline(None))
+        seen: dict[str, bool] = {}
+        for k, (path, array) in enumerate(sources):
+            full = _full(self.mapping, path, array)
+            for key, digest in (kv for h in held for kv in h["checksums"].items()):
+                name, worker = _worker_of(key)
+                if name == metas[k].name:
+                    seen[name] = seen.get(name, True) and digest in _digests(full, conn, k, worker)
+        return metas, seen
 
     # -- lifetime ----------------------------------------------------------
     @property

@@ -53,7 +53,7 @@ from .packing import packable, writable, write_chunk
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import Feed, PreparedPush, Round
 from .routes import ProcessGroup, Route, SingleProcess, usable_device
-from .session import PendingSend, Session
+from .session import PendingSend, Session, Ticket
 from .stats import SendStats
 from .turns import TurnUpdate, broadcast_plan, owners_of, turn_updates
 
@@ -265,22 +265,29 @@ class WeightSender:
         if not wait and not self.session.route.alone:
             raise TransferError("send(wait=False) needs a single-process sender (connect): "
                                 "a group's gathers run in step on every process")
-        with self.session.admit() as ticket:
-            metas, sources = self._descriptions.of(params)
-            if metadata is not None:
-                check_against(list(metadata), metas)
-            turns = self._turns_of(metas, sources)
-            push = self._prepared(metas, turns, weight_version, pause)
-            if self.session.connection is None:  # outside the transfer group: the gathers
-                return self._gathers_only(turns, sources, push, t0)
-            snapshot = None if wait else self._snapshot(metas, sources, turns[0])
-            feed, push.ready = self._feeds(metas, sources, snapshot)
-            push.rounds = [self._round(t, feed) for t in turns]
-            push.stats.prepare_s = time.perf_counter() - t0
-            if snapshot is None and not wait:
-                log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
-                         "pushing blocking", push.stats.bytes, self.session.config.staging_bytes)
-            return self.session.run(ticket, push, background=snapshot is not None, t0=t0)
+        return self.session.in_turn(functools.partial(
+            self._push, params, weight_version=weight_version, metadata=metadata, pause=pause,
+            wait=wait, t0=t0))
+
+    def _push(self, params: Any, ticket: Ticket, *, weight_version: str | None,
+              metadata: Sequence[TensorMeta] | None, pause: str | None, wait: bool,
+              t0: float) -> SendStats | PendingSend:
+        """``send`` in the caller's turn: describe and plan the push, then run it."""
+        metas, sources = self._descriptions.of(params)
+        if metadata is not None:
+            check_against(list(metadata), metas)
+        turns = self._turns_of(metas, sources)
+        push = self._prepared(metas, turns, weight_version, pause)
+        if self.session.connection is None:  # outside the transfer group: the gathers
+            return self._gathers_only(turns, sources, push, t0)
+        snapshot = None if wait else self._snapshot(metas, sources, turns[0])
+        feed, push.ready = self._feeds(metas, sources, snapshot)
+        push.rounds = [self._round(t, feed) for t in turns]
+        push.stats.prepare_s = time.perf_counter() - t0
+        if snapshot is None and not wait:
+            log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
+                     "pushing blocking", push.stats.bytes, self.session.config.staging_bytes)
+        return self.session.run(ticket, push, background=snapshot is not None, t0=t0)
 
     def _turns_of(self, metas: list[TensorMeta], sources: Sources) -> list[TurnUpdate]:
         """Every turn's tensors in wire order, its chunks and ``update_info``
@@ -445,22 +452,26 @@ class WeightSender:
             RendezvousError: a server did not answer, or answered what vLLM
                 never does (a ``VLLMHTTPError``, ...).
         """
-        with self.session.admit():
-            metas, sources = describe(params, self.mapping)
-            get = self._place.getter(metas, sources)[0]
-            want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
-                    for i, m in enumerate(metas)}
-            seen: dict[str, bool] = {}
-            answers = call_all(self.session.clients, VLLMClient.weight_checker, "checksum",
-                               deadline=Deadline(None))  # every server at once
-            for answer in answers:
-                for key, digest in answer["checksums"].items():
-                    name = key.split(":", 4)[-1]
-                    if name in want:
-                        seen[name] = seen.get(name, True) and digest == want[name]
+        want, seen = self.session.in_turn(lambda _: self._checksums(params))
         return VerifyResult(matched=tuple(n for n in want if seen.get(n) is True),
                             mismatched=tuple(n for n in want if seen.get(n) is False),
                             unchecked=tuple(n for n in want if n not in seen))
+
+    def _checksums(self, params: Any) -> tuple[dict[str, str], dict[str, bool]]:
+        """Each tensor's SHA-256 here, and by name whether every worker's matches."""
+        metas, sources = describe(params, self.mapping)
+        get = self._place.getter(metas, sources)[0]
+        want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
+                for i, m in enumerate(metas)}
+        seen: dict[str, bool] = {}
+        answers = call_all(self.session.clients, VLLMClient.weight_checker, "checksum",
+                           deadline=Deadline(None))  # every server at once
+        for answer in answers:
+            for key, digest in answer["checksums"].items():
+                name = key.split(":", 4)[-1]
+                if name in want:
+                    seen[name] = seen.get(name, True) and digest == want[name]
+        return want, seen
 
     # -- lifetime ----------------------------------------------------------
     @property

@@ -10,11 +10,15 @@ group is broken, and the admission of pushes:
   its end, on whichever thread it ends; a second ``send`` (another thread,
   or after ``send(wait=False)``) waits for it, within the deadlines of the
   push in flight, or is refused once they have passed.
-* **Ctrl-C.** During a blocking push on the main thread, the first Ctrl-C
-  lets the push end on the servers, within its deadlines, then raises
-  ``KeyboardInterrupt``; a second aborts at once. The same holds while
-  waiting in ``PendingSend.result()``, and at interpreter exit a push in
-  flight is let end.
+* **Ctrl-C** (on the main thread, through ``interrupts.py``): none, at any
+  instant, leaves the turn taken. While waiting for the turn it ends the
+  wait; during the caller's preparation of a push it stops it, nothing
+  sent; during a blocking push the first lets the push end on the servers,
+  within its deadlines, then raises ``KeyboardInterrupt``, and a second
+  aborts at once. The same holds while waiting in ``PendingSend.result()``,
+  and at interpreter exit a push in flight is let end. ``close()`` stops
+  waiting for a push in flight (a later ``close()`` finishes), but finishes
+  releasing the servers once it began.
 * **Failures that abort.** The lane is stopped at its next poll and the
   communicator aborted once no NCCL call is in flight; a lane stuck inside
   one past its deadline is abandoned instead (never freed under the call;
@@ -28,14 +32,14 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeVar
 
-from nccl_cffi import Deadline, NcclTimeoutError, await_future, in_background
+from nccl_cffi import Deadline, NcclTimeoutError, in_background
 from uniqueid import (
     Connection,
     InitInfo,
@@ -52,6 +56,7 @@ from .config import SendConfig
 from .control import ControlPlane, best_effort
 from .errors import SenderClosed, SendError
 from .fleet import DroppedServer
+from .interrupts import FIRST, FIRST_CTRL_C, SECOND, SECOND_CTRL_C, Guard
 from .plan import TensorMeta
 from .push import Aborted, Lane, PreparedPush, Transaction
 from .routes import Route
@@ -59,35 +64,45 @@ from .stats import SendStats
 
 log = logging.getLogger("jax_sender")
 
+T = TypeVar("T")
+
 # How long a stopped push may take to leave its NCCL calls before it is abandoned.
 CANCEL_GRACE_S = 2.0
-FIRST_CTRL_C = ("Ctrl-C: letting the push in flight end on the servers (within its deadlines), so "
-                "they are left ready for the next one; press Ctrl-C again to abort it at once")
-SECOND_CTRL_C = ("a second Ctrl-C aborted the push mid-stream: the servers' workers may be left "
-                 "inside NCCL; reconnect() says which server, if any, needs a restart")
 
 
 class Stuck(NcclTimeoutError):
     """An NCCL call of the push did not return within its deadline."""
 
 
-class Ticket:
-    """A caller's turn to push, from admission to the push's end."""
+def _nothing() -> None:
+    pass
 
-    def __init__(self, release: Callable[[], None]):
-        self._release: Callable[[], None] | None = release
+
+class Ticket:
+    """A caller's turn to push, from admission to the push's end.
+
+    Args:
+        release: gives the turn back.
+        guard: the caller's Ctrl-Cs (``interrupts.Guard``).
+    """
+
+    def __init__(self, release: Callable[[], None], guard: Guard):
+        self._release = release
+        self.guard = guard
 
     def hand_over(self) -> Callable[[], None]:
-        """The release, for the push that now owns the turn."""
-        release, self._release = self._release, None
+        """The release, for the push that now owns the turn (after which
+        ``release()`` does nothing).
+
+        Returns:
+            What gives the turn back (a no-op once handed over).
+        """
+        release, self._release = self._release, _nothing
         return release
 
-    def __enter__(self) -> Ticket:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._release is not None:
-            self.hand_over()()
+    def release(self) -> None:
+        """Give the turn back, unless a push owns it now (then it does)."""
+        self.hand_over()()
 
 
 class PendingSend:
@@ -114,9 +129,16 @@ class PendingSend:
         Args:
             work: the push; what it returns or raises is ``result()``'s.
             name: the kind of kept thread it runs on.
+
+        Raises:
+            RuntimeError: no thread could be started (``work`` will not run).
         """
         _in_flight.add(self)
-        in_background(self._run, work, name=name)
+        try:
+            in_background(self._run, work, name=name)
+        except BaseException:
+            _in_flight.discard(self)
+            raise
 
     def run_here(self, work: Callable[[], SendStats]) -> SendStats:
         """Run ``work`` on this thread; its figures, or what it raised.
@@ -178,24 +200,39 @@ class PendingSend:
             TimeoutError: not ended within ``timeout`` (it goes on).
             KeyboardInterrupt: a Ctrl-C while waiting (see the class).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        interrupted = False
-        while True:
-            try:
-                if not await_future(self._future, None if interrupted else deadline):
-                    raise TimeoutError(f"the push did not end within {timeout}s; it goes on "
-                                       "(wait again, or close() the sender)")
-                break
-            except KeyboardInterrupt:
-                if interrupted:
-                    self.abort()
-                    self.wait_stopped(CANCEL_GRACE_S)
-                    raise KeyboardInterrupt(SECOND_CTRL_C) from None
-                interrupted = True
-                log.warning(FIRST_CTRL_C)
-        if interrupted:
+        with Guard() as guard:
+            ended = self.settle(guard, timeout)
+        if not ended:
+            raise TimeoutError(f"the push did not end within {timeout}s; it goes on "
+                               "(wait again, or close() the sender)")
+        if guard.count and self._future.exception() is None:
             raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
         return self._future.result()
+
+    def settle(self, guard: Guard, timeout: float | None) -> bool:
+        """Wait for the push to end, polling ``guard``: after a first Ctrl-C
+        until it ends (its own deadlines bound it); a second aborts it.
+
+        Args:
+            guard: the waiting caller's Ctrl-Cs.
+            timeout: seconds to wait at most, until a first Ctrl-C.
+
+        Returns:
+            Whether the push ended (either way).
+
+        Raises:
+            KeyboardInterrupt: a second Ctrl-C (the push aborted).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        guard.note = FIRST_CTRL_C
+        while not self.wait_stopped(0.05):
+            if guard.count >= 2:
+                self.abort()
+                self.wait_stopped(CANCEL_GRACE_S)
+                raise KeyboardInterrupt(SECOND_CTRL_C)
+            if not guard.count and deadline is not None and time.monotonic() > deadline:
+                return False
+        return True
 
     def wait_stopped(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the push to end; whether it did.
@@ -206,11 +243,7 @@ class PendingSend:
         Returns:
             True if it ended (either way), False if it still runs.
         """
-        try:
-            self._future.exception(timeout=timeout)
-        except Exception:
-            pass
-        return self._future.done()
+        return bool(futures.wait([self._future], timeout).done)
 
 
 # Pushes running in the background: at exit each is let end on the servers.
@@ -221,62 +254,11 @@ _in_flight: set[PendingSend] = set()
 def _let_pushes_end() -> None:
     for pending in list(_in_flight):
         log.warning("exiting: letting the push in flight end on the servers")
-        pending.wait_stopped(pending.bound_s)
-
-
-class _Interrupts:
-    """Ctrl-C during a blocking push on the main thread: the first is held
-    until the push ended, the second raises at once, and later ones are
-    ignored until the push is over (one could land in the abort itself and
-    leave the sender unaware it is broken). Left alone where the program set
-    a SIGINT handler of its own, or off the main thread."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._installed = False
-
-    def handle(self) -> None:
-        self.count += 1
-        if self.count == 1:
-            log.warning(FIRST_CTRL_C)
-        elif self.count == 2:
-            raise KeyboardInterrupt(SECOND_CTRL_C)
-        else:
-            log.warning("Ctrl-C: the push is being aborted; the sender returns in a moment")
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            handler = signal.getsignal(signal.SIGINT)
-            if handler is signal.default_int_handler:
-                signal.signal(signal.SIGINT, _GATE)
-                handler = _GATE
-            if handler is _GATE:
-                _GATE.push = self
-                self._installed = True
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._installed:
-            _GATE.push = None
-
-
-class _Gate:
-    """Python's own SIGINT handler, except while a blocking push runs on the
-    main thread (``_Interrupts``). Why not swap handlers around each push:
-    two ``signal.signal`` calls cost a small push a measurable share of its
-    own time; this one is installed once, in place of the default alone."""
-
-    def __init__(self) -> None:
-        self.push: _Interrupts | None = None  # the blocking push running on the main thread
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.push is None:
-            signal.default_int_handler(signum, frame)
-        else:
-            self.push.handle()
-
-
-_GATE = _Gate()
+        try:
+            with Guard() as guard:
+                pending.settle(guard, pending.bound_s)
+        except KeyboardInterrupt as e:
+            log.warning("%s", e)
 
 
 def _unresumed(exc: BaseException) -> BaseException:
@@ -313,7 +295,8 @@ class Session:
         self.broken = ""  # why the group is broken, until reconnect()
         self.closing = False  # close() began: a push still being prepared will not run
         self._closing_lock = threading.Lock()
-        self._closed = threading.Event()
+        self._closer = False  # a close() is at it
+        self._closed = threading.Event()  # close() released everything
         # Called with ``aborted`` when a communicator is given up (aborted mid-push,
         # or dropped by reconnect/close): what the senders keep about it goes.
         self.on_reset: list[Callable[[bool], None]] = []
@@ -322,7 +305,6 @@ class Session:
         self._orphans: list[Lane] = []  # lanes abandoned inside an NCCL call
         self._turn = threading.Lock()
         self._busy_until = 0.0  # the push in flight's deadlines, all of them
-        self._pending: PendingSend | None = None
         # Servers whose /pause went unanswered: it may land late; resumed before the next push.
         self._late_pause: list[VLLMClient] = []
 
@@ -337,37 +319,71 @@ class Session:
         return self.connection.clients if self.connection else []
 
     # -- admission ------------------------------------------------------
-    def admit(self) -> Ticket:
-        """Wait for the push in flight, if any, then return this caller's turn.
+    def in_turn(self, work: Callable[[Ticket], T], *, ready: bool = True) -> T:
+        """``work(ticket)`` in this caller's turn, once the push in flight,
+        if any, ended; the turn is given back when ``work`` returns, unless
+        a push it started owns it (``run``).
+
+        Ctrl-C on the main thread: while waiting, the wait ends; during
+        ``work``, it raises there (``work`` may be the caller's preparation
+        of a push, cut short); at any other instant it is held and raised
+        once the turn is given back, so none can leave the turn taken.
+
+        Args:
+            work: what to do in the turn.
+            ready: refuse to when the sender is closing or broken (False:
+                ``reconnect``, which repairs a broken one).
+
+        Returns:
+            What ``work`` returned.
 
         Raises:
             SenderClosed: the sender is closed.
             SendError: the group is broken (``reconnect()``), or the push in
                 flight did not end by its deadlines.
+            KeyboardInterrupt: a Ctrl-C (nothing was sent, or the push ended
+                on the servers first).
+            BaseException: what ``work`` raised.
         """
-        ticket = self._wait_turn()
-        if self.closing or self.broken:
-            ticket.hand_over()()
-            if self.closing:
-                raise SenderClosed("this sender is closed; build a new one with connect()")
-            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
-        # Preparing is the caller's own work (tracing, compiling): no deadline of ours.
-        self._busy_until = float("inf")
-        return ticket
+        with Guard() as guard:
+            ticket = self._take_turn(guard)
+            try:
+                if ready:
+                    self._check_ready()
+                # The holder's own work (tracing, compiling): no deadline of ours.
+                self._busy_until = float("inf")
+                out = guard.during(FIRST, work, ticket)
+            finally:
+                ticket.release()
+        if guard.count and not guard.raised:
+            raise KeyboardInterrupt("Ctrl-C, held until the sender's turn was safe to leave (a "
+                                    "push already started goes on: the next send() waits for it)")
+        return out
 
-    def _wait_turn(self, *, closing: bool = False) -> Ticket:
+    def _check_ready(self) -> None:
+        if self.closing:
+            raise SenderClosed("this sender is closed; build a new one with connect()")
+        if self.broken:
+            raise SendError(f"the transfer group is broken ({self.broken}); call reconnect()")
+
+    def _take_turn(self, guard: Guard, *, closing: bool = False) -> Ticket:
         """This caller's turn, once the push in flight ended (within its
         deadlines; a push still being prepared has none of ours). Refused
-        once the sender is closing, unless ``closing`` (``close()`` itself)."""
+        once the sender is closing, unless ``closing`` (``close()`` itself).
+        No Ctrl-C raises in here (the guard's window is shut): it ends the
+        wait, before the turn is taken."""
         holder_since = time.monotonic()
         while not self._turn.acquire(timeout=0.05):
+            if guard.count:
+                raise KeyboardInterrupt("Ctrl-C while waiting for the push in flight; this "
+                                        "call did nothing")
             if self.closing and not closing:
                 raise SenderClosed("this sender is closed; build a new one with connect()")
             if time.monotonic() > max(self._busy_until, holder_since) + CANCEL_GRACE_S:
                 raise SendError("another push on this sender did not end by its deadlines; a "
                                 "sender pushes one at a time: call send() from one thread, or "
                                 "close() it and connect() again")
-        return Ticket(self._turn.release)
+        return Ticket(self._turn.release, guard)
 
     # -- a push ---------------------------------------------------------
     def run(self, ticket: Ticket, push: PreparedPush, *, background: bool,
@@ -375,7 +391,7 @@ class Session:
         """Run ``push``, owning ``ticket`` until it ends.
 
         Args:
-            ticket: this caller's turn, from ``admit``.
+            ticket: this caller's turn (``in_turn``).
             push: the validated push.
             background: run it on a thread of its own and return at once.
             t0: when ``send()`` was called (``time.perf_counter()``).
@@ -385,37 +401,57 @@ class Session:
 
         Raises:
             SendError: see ``push.Transaction`` and the module docstring.
-            KeyboardInterrupt: a Ctrl-C during a blocking push.
+            KeyboardInterrupt: a Ctrl-C during a blocking push (or before
+                it started: then nothing was sent).
         """
+        # No Ctrl-C raises while the turn is handed to the push and its thread starts.
+        return ticket.guard.during(None, self._launch, ticket, push, background, t0)
+
+    def _launch(self, ticket: Ticket, push: PreparedPush, background: bool,
+                t0: float) -> SendStats | PendingSend:
+        if ticket.guard.count:
+            raise KeyboardInterrupt("Ctrl-C while the push was being prepared; nothing was sent")
         if self.closing:
-            ticket.hand_over()()
             raise SenderClosed("the sender was closed while this push was being prepared; "
                                "nothing was sent")
         conn, broadcaster = self.connection, self._broadcaster_of(self.connection)
-        pending = self._pending = PendingSend(push.bound_s)
+        pending = PendingSend(push.bound_s)
         self._busy_until = time.monotonic() + push.bound_s + CANCEL_GRACE_S
         release = ticket.hand_over()
-
-        def work() -> SendStats:
-            try:
-                return self._transact(push, conn, broadcaster, pending, t0)
-            finally:
-                release()
-
-        if background:
+        # A background push's thread gets no signal: its guard stays inactive.
+        guard = Guard() if background else ticket.guard
+        work = functools.partial(self._owning, release, guard, push, conn, broadcaster, pending,
+                                 t0)
+        if not background:
+            return self._blocking(pending, work, guard)
+        try:
             pending.start(work, name="jax-sender-push")
-            push.stats.returned_s = time.perf_counter() - t0
-            return pending
-        with _Interrupts() as interrupts:
-            try:
-                stats = pending.run_here(work)
-            except BaseException as e:
-                if interrupts.count != 1 or isinstance(e, KeyboardInterrupt):
-                    raise
-                raise KeyboardInterrupt(f"Ctrl-C; meanwhile the push failed: {e}") from e
-            finally:
-                self._pending = None
-        if interrupts.count == 1:
+        except BaseException:
+            release()  # the push never ran
+            raise
+        push.stats.returned_s = time.perf_counter() - t0
+        return pending
+
+    def _owning(self, release: Callable[[], None], guard: Guard, push: PreparedPush,
+                conn: Connection, broadcaster: Broadcaster, pending: PendingSend,
+                t0: float) -> SendStats:
+        """The push, which gives the turn back when it ends; a Ctrl-C raises
+        only inside its transaction, at the second (``SECOND``)."""
+        try:
+            return guard.during(SECOND, self._transact, push, conn, broadcaster, pending, t0)
+        finally:
+            release()
+
+    @staticmethod
+    def _blocking(pending: PendingSend, work: Callable[[], SendStats], guard: Guard) -> SendStats:
+        """``work`` on this thread; a first Ctrl-C meanwhile is raised once it ended."""
+        try:
+            stats = pending.run_here(work)
+        except BaseException as e:
+            if guard.count != 1 or isinstance(e, KeyboardInterrupt):
+                raise
+            raise KeyboardInterrupt(f"Ctrl-C; meanwhile the push failed: {e}") from e
+        if guard.count:
             raise KeyboardInterrupt("Ctrl-C; the push in flight ended on the servers first")
         return stats
 
@@ -582,20 +618,24 @@ class Session:
         ``drop_server``, ``add_server``), on this sender's turn."""
         if self.closing:
             raise SenderClosed("this sender is closed; build a new one with connect()")
-        with self._wait_turn():
-            deadline = Deadline(self.config.reconnect_timeout_s)
-            if joining is not None:
-                self._take_in(*joining, deadline)
-            self.broken = self.broken or "reconnecting"
-            # Half the deadline for the releases: a stuck server must leave
-            # time to form the group with the others (drop_dead).
-            released = self._let_go(Deadline(self.config.reconnect_timeout_s / 2))
-            dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=leaving)
-            self.connection = self.route.form(deadline.left())
-            self.broken = ""
-            if joining is not None:
-                self._reset(aborted=True)  # the server taken in holds weights of its own
-            return dropped
+        return self.in_turn(lambda ticket: self._reformed(drop_dead, leaving, joining),
+                            ready=False)
+
+    def _reformed(self, drop_dead: bool, leaving: VLLMClient | None,
+                  joining: tuple[VLLMClient, int | None] | None) -> list[DroppedServer]:
+        deadline = Deadline(self.config.reconnect_timeout_s)
+        if joining is not None:
+            self._take_in(*joining, deadline)
+        self.broken = self.broken or "reconnecting"
+        # Half the deadline for the releases: a stuck server must leave time to
+        # form the group with the others (drop_dead).
+        released = self._let_go(Deadline(self.config.reconnect_timeout_s / 2))
+        dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=leaving)
+        self.connection = self.route.form(deadline.left())
+        self.broken = ""
+        if joining is not None:
+            self._reset(aborted=True)  # the server taken in holds weights of its own
+        return dropped
 
     def _take_in(self, client: VLLMClient, workers: int | None, deadline: Deadline) -> None:
         """Ask (or check) ``client``'s worker count, then add it to the fleet."""
@@ -629,23 +669,62 @@ class Session:
         push still being prepared is refused with ``SenderClosed``), free
         the streams and buffers, shut the servers' engines down, free the
         communicator, close the HTTP clients this sender made. Calling it
-        again, from any thread, does nothing."""
-        with self._closing_lock:
-            first, self.closing = not self.closing, True
-        if not first:  # closed, or being closed by another thread
-            self._closed.wait(self._busy_deadline_s() + 60.0)
-            return
+        again, from any thread, waits for a close in progress; once closed,
+        it does nothing.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C while it waited for the push in
+                flight (or another close()): the sender takes no new push,
+                and a later close() finishes the job. One while it releases
+                the servers is raised once they are released.
+        """
+        with Guard() as guard:
+            if self._claim_close(guard):
+                try:
+                    self._shut(guard)
+                finally:
+                    self._closer = False
+        if guard.count and not guard.raised:
+            raise KeyboardInterrupt("Ctrl-C; close() released the servers first")
+
+    def _claim_close(self, guard: Guard) -> bool:
+        """Whether this call closes the sender (no other close() is at it);
+        False once it is closed, or another close() did not end in time."""
+        end = time.monotonic() + self._busy_deadline_s() + self.config.wait_timeout_s(0) + 60.0
+        while True:
+            with self._closing_lock:
+                self.closing = True
+                if self._closed.is_set():
+                    return False
+                if not self._closer:
+                    self._closer = True
+                    return True
+            if guard.count:
+                raise KeyboardInterrupt("Ctrl-C while close() waited for another close()")
+            if time.monotonic() > end:
+                log.warning("close(): another close() of this sender did not end in time")
+                return False
+            self._closed.wait(0.05)
+
+    def _shut(self, guard: Guard) -> None:
+        """Wait for the turn (a push in flight that overran is torn down
+        beside), then release everything; no Ctrl-C raises in here."""
         try:
-            ticket = self._wait_turn(closing=True)
+            ticket = self._take_turn(guard, closing=True)
         except SendError:
-            ticket = Ticket(lambda: None)  # the push in flight overran: tear down beside it
-        with ticket:
-            try:
-                self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
-                for client in getattr(self.route, "clients", []):
-                    client.close()
-            finally:
-                self._closed.set()
+            ticket = Ticket(_nothing, guard)  # the push in flight overran: tear down beside it
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt("Ctrl-C while close() waited for the push in flight, which "
+                                    "goes on; the sender takes no new push: call close() again "
+                                    "to release the servers") from None
+        guard.note = "Ctrl-C: close() first finishes releasing the servers (within its deadline)"
+        try:
+            self._drop_connection(Deadline(self.config.wait_timeout_s(0)), strict=False)
+            for client in getattr(self.route, "clients", []):
+                client.close()
+        finally:
+            self._closed.set()
+            ticket.release()
 
     def _busy_deadline_s(self) -> float:
         """Seconds until the push in flight's deadlines have all passed (0 if none)."""

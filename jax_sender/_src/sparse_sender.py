@@ -36,7 +36,7 @@ from .plan import TensorMeta, check_against
 from .push import PreparedPush, Round
 from .routes import SingleProcess, usable_device
 from .sender import Servers, check_push, open_session
-from .session import Session
+from .session import Session, Ticket
 from .sparse import Patch, check_sparse, count_changes, diff, padded
 from .stats import SendStats
 
@@ -127,20 +127,28 @@ class SparseSender:
         """
         t0 = time.perf_counter()
         check_push(weight_version, pause, None)
-        with self.session.admit() as ticket:
-            metas, get_old, get_new, counts = self._changes(params, previous, tolerance)
-            push, patches = self._prepared(metas, counts, get_old, get_new, tolerance)
-            push.weight_version, push.pause = weight_version, pause
-            patches.make_ahead(0)  # XLA starts on them while the HTTP calls go out
-            push.stats.prepare_s = time.perf_counter() - t0
-            try:
-                stats = self.session.run(ticket, push, background=False, t0=t0)
-            except UpdateIncomplete:
-                self._unknown = True
-                raise
+        stats, dense = self.session.in_turn(functools.partial(
+            self._push, params, previous, tolerance, weight_version, pause, t0))
         self._unknown = False
-        log.info("sent sparse %s (dense: %d B)", stats, sum(m.nbytes for m in metas))
+        log.info("sent sparse %s (dense: %d B)", stats, dense)
         return stats
+
+    def _push(self, params: Any, previous: Any, tolerance: float | None,
+              weight_version: str | None, pause: str | None, t0: float,
+              ticket: Ticket) -> tuple[SendStats, int]:
+        """``send`` in the caller's turn: count the changes, build the
+        patches, run the push; its figures and the dense size."""
+        metas, get_old, get_new, counts = self._changes(params, previous, tolerance)
+        push, patches = self._prepared(metas, counts, get_old, get_new, tolerance)
+        push.weight_version, push.pause = weight_version, pause
+        patches.make_ahead(0)  # XLA starts on them while the HTTP calls go out
+        push.stats.prepare_s = time.perf_counter() - t0
+        try:
+            stats = self.session.run(ticket, push, background=False, t0=t0)
+        except UpdateIncomplete:
+            self._unknown = True
+            raise
+        return stats, sum(m.nbytes for m in metas)
 
     def _changes(self, params: Any, previous: Any, tolerance: float | None
                  ) -> tuple[list[TensorMeta], Get, Get, list[int]]:

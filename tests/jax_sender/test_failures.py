@@ -23,7 +23,7 @@ from jax_sender import (
 )
 from uniqueid import ServerStuck
 
-from support.concurrency import sigints, wait_for
+from support.concurrency import raised_under, sigints, wait_for
 from support.memory_link import memory_sender
 from support.pushes import SMALL, calls, comm, expected, held, params, pushed, slow_step
 
@@ -195,11 +195,13 @@ def test_close_lets_a_push_waiting_for_its_arrays_end_within_its_deadline():
                                   "/finish_weight_update", "/shutdown_weight_transfer_engine"]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
-    sigints(lambda: caster.sent, 1)  # once the first broadcast went out
-    with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
-        sender.send(params(1))
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-C was sent
+    e = raised_under(sigints(lambda: caster.sent, 1, then=caster.gate.set),
+                     lambda: sender.send(params(1)))
+    assert isinstance(e, KeyboardInterrupt) and "ended on the servers first" in str(e), repr(e)
     assert held(server) == expected(params(1)) and pushed(server) == SESSION
     assert not sender.broken and not comm(sender).aborted
     sender.send(params(2))
@@ -208,26 +210,29 @@ def test_a_first_ctrl_c_lets_a_blocking_push_end_then_raises():
     assert caster.closed
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_second_ctrl_c_aborts_at_once_and_reconnect_mends_it(monkeypatch):
     monkeypatch.setattr("support.memory_server.WIRE_TIMEOUT_S", 1.0)
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.3)
-    sigints(lambda: caster.sent, 2)  # once the first broadcast went out
-    t = time.monotonic()
-    with pytest.raises(KeyboardInterrupt, match="second Ctrl-C aborted"):
-        sender.send(params(1))
-    assert time.monotonic() - t < 0.3 + 0.15 + 2.0 + 1.0  # the lane's grace and a margin
+    caster.gate = threading.Event()  # the push goes on once both Ctrl-Cs were sent
+    fire = sigints(lambda: caster.sent, 2, then=caster.gate.set)
+    e = raised_under(fire, lambda: sender.send(params(1)))
+    assert isinstance(e, KeyboardInterrupt) and "second Ctrl-C aborted" in str(e), repr(e)
+    assert time.monotonic() - fire.last_sent < 2.0 + 1.0  # the lane's grace and a margin
     assert comm(sender).aborted and "Ctrl-C" in sender.broken
     sender.reconnect()  # waits for the server to give its update up
     sender.send(params(2))
     assert held(server) == expected(params(2))
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_while_waiting_on_an_asynchronous_push_lets_it_end():
     sender, (server,), caster = memory_sender(SMALL, delay_s=0.2)
+    caster.gate = threading.Event()  # the push goes on once the Ctrl-C was sent
     pending = sender.send(params(1), wait=False)
-    sigints(lambda: caster.sent, 1)  # once the first broadcast went out
-    with pytest.raises(KeyboardInterrupt, match="ended on the servers first"):
-        pending.result(timeout=20)
+    e = raised_under(sigints(lambda: caster.sent, 1, then=caster.gate.set),
+                     lambda: pending.result(timeout=20))
+    assert isinstance(e, KeyboardInterrupt) and "ended on the servers first" in str(e), repr(e)
     assert pending.done() and pending.result().tensors == 5 and not sender.broken
     assert held(server) == expected(params(1))
 
@@ -238,9 +243,10 @@ def test_reconnect_finishes_a_session_left_open_on_the_server():
     sender, (server,), _ = memory_sender(SMALL)
     sender.session.clients[0].start_weight_update()
     sender.reconnect()
-    assert server.routes()[-6:] == ["/start_weight_update", "/shutdown_weight_transfer_engine",
+    assert server.routes()[-8:] == ["/start_weight_update", "/shutdown_weight_transfer_engine",
                                     "/finish_weight_update", "/shutdown_weight_transfer_engine",
-                                    "/get_world_size", "/init_weight_transfer_engine"]
+                                    "/get_world_size", "/is_paused", "/weight_info",
+                                    "/init_weight_transfer_engine"]
     assert calls(server, "/shutdown_weight_transfer_engine")[0].status == 500
     sender.send(params(1))
     assert held(server) == expected(params(1))

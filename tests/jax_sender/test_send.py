@@ -41,7 +41,8 @@ from support.pushes import (
 def test_a_push_is_exact_and_follows_the_route_order(packed):
     sender, (server,), caster = memory_sender(SendConfig(packed=packed, buffer_size_bytes=4096))
     stats = sender.send(params(), weight_version="v1", pause="keep")
-    assert server.routes() == ["/get_world_size", "/init_weight_transfer_engine", "/pause",
+    assert server.routes() == ["/get_world_size", "/is_paused", "/weight_info",
+                               "/init_weight_transfer_engine", "/pause",
                                "/start_weight_update", "/update_weights",
                                "/finish_weight_update", "/resume"]
     assert held(server) == expected(params()) and server.weight_version == "v1"

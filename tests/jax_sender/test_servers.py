@@ -16,10 +16,11 @@ SESSION = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 PAUSED = ["/pause", *SESSION, "/resume"]
 # reconnect() on a server left inside an open update session: its shutdown
 # is refused, the session finished, the shutdown made again, the group formed anew
+# (connect asks each engine core before the init: /is_paused, /weight_info)
+FORM = ["/get_world_size", "/is_paused", "/weight_info", "/init_weight_transfer_engine"]
 MEND_OPEN = ["/shutdown_weight_transfer_engine", "/finish_weight_update",
-             "/shutdown_weight_transfer_engine", "/get_world_size", "/init_weight_transfer_engine"]
-MEND_CLOSED = ["/shutdown_weight_transfer_engine", "/get_world_size",
-               "/init_weight_transfer_engine"]
+             "/shutdown_weight_transfer_engine", *FORM]
+MEND_CLOSED = ["/shutdown_weight_transfer_engine", *FORM]
 
 
 def since(server, n: int) -> list[str]:

@@ -714,6 +714,59 @@ def m2n(url: str, seed: str) -> None:
     os._exit(0)  # a reshard abandoned inside the library must not hold the exit
 
 
+# -- a trainer killed mid-push (test_gpu.py kills it) ---------------------------
+
+def killed_mid_push(url: str) -> None:
+    """Push once, then start a push whose transform never returns for
+    ``b.big`` (unpacked: the lane transforms each tensor right before its
+    broadcast, after ``/update_weights`` was posted), so vLLM's worker waits
+    inside NCCL for it; say so, and wait to be killed."""
+    import jax
+
+    from jax_sender import Mapping, SendConfig, WeightSender
+    stop = {"on": False}
+
+    def transform(path, x):
+        if stop["on"] and path[-1] == "b.big" and not isinstance(x, jax.core.Tracer):
+            print("INSIDE THE PUSH", flush=True)
+            time.sleep(3600)
+        return x
+
+    sender = WeightSender.connect(url, config=SendConfig(packed=False, send_timeout_s=600),
+                                  mapping=Mapping(transform=transform))
+    pairs = _test_tensors(12)
+    sender.send(pairs)
+    stop["on"] = True
+    sender.send(pairs)
+
+
+def stuck_connect(url: str) -> None:
+    """A fresh connect to the server a killed trainer left inside NCCL:
+    ``ServerStuck`` naming it and the restart within seconds, not the init's
+    deadline (nothing is posted)."""
+    import jax
+
+    from jax_sender import SendConfig, WeightSender
+    from uniqueid import ServerStuck
+    from uniqueid.rendezvous import ENGINE_ANSWER_S
+    jax.devices()  # JAX's start is not connect's
+    t = time.monotonic()
+    try:
+        WeightSender.connect(url, config=SendConfig(init_timeout_s=60))
+    except ServerStuck as e:
+        took, msg = time.monotonic() - t, str(e)
+    else:
+        raise AssertionError("connect to a server left inside NCCL worked")
+    assert took < ENGINE_ANSWER_S + 5 and url in msg and "restart that server" in msg, (took, msg)
+    assert "\n" not in msg
+    print(f"OK ServerStuck in {took:.2f}s: {msg}")
+
+
+def fresh_push(url: str) -> None:
+    """A connect and a bit-exact push (the server restarted)."""
+    print(f"OK {_fresh_push(url, 13)}")
+
+
 def load_plan(url: str) -> None:
     """use_load_plan: subsets go through bit-exact; anything else is refused by
     the sender before any HTTP call, and by the worker before any collective."""

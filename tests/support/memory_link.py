@@ -94,7 +94,9 @@ class _Tee:
 class MemoryBroadcaster:
     """Puts each broadcast's bytes on the wire; like NCCL's, a broadcast ends
     only once every receiver took it (``check`` polled meanwhile), and one
-    not taken within the push's per-wait deadline raises ``NcclTimeoutError``."""
+    not taken within the push's per-wait deadline raises ``NcclTimeoutError``.
+    ``gate``: an event every broadcast of a pass but its first waits for
+    (``check`` polled), so a test can keep a push going until it acted."""
 
     def __init__(self, wire: _Tee, delay_s: float = 0.0):
         self.wire = wire
@@ -107,6 +109,7 @@ class MemoryBroadcaster:
         self.launched = 0  # broadcasts of the current pass
         self.sent: list[tuple[int, int, float]] = []  # (root, nbytes, time issued)
         self.passes: list[str] = []  # per pass: "copies", "xla", "tensors", "scratch", "complete"
+        self.gate: threading.Event | None = None
 
     def _begin(self, kind: str) -> None:
         self.started, self.launched = 0.0, 0
@@ -115,10 +118,14 @@ class MemoryBroadcaster:
     def _put(self, root: int, data: bytes, check, timeout: float | None) -> None:
         self.started = self.started or time.perf_counter()
         time.sleep(self.delay_s)
+        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+        while self.launched and self.gate is not None and not self.gate.wait(0.01):
+            check()
+            if time.monotonic() > deadline:
+                raise NcclTimeoutError(f"the test's gate did not open within {timeout}s")
         self.sent.append((root, len(data), time.monotonic()))
         self.launched += 1
         taken = self.wire.put(root, data)
-        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
         while not all(e.wait(0.01) for e in taken):
             check()
             if time.monotonic() > deadline:

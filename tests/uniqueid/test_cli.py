@@ -179,7 +179,7 @@ def test_doctor_names_a_server_whose_engine_is_stuck(stuck, capsys, monkeypatch)
     assert rc == 1 and time.monotonic() - start < 1.0 + 2.0, out
     problem, = [ln for ln in out.splitlines() if ln.startswith("PROBLEM")]
     assert f"{server.url}: its engine does not answer (GET {stuck} took over 1 s" in problem
-    assert "stuck inside NCCL" in problem and "restart the server" in problem
+    assert "stuck inside NCCL" in problem and "restart that server" in problem
     assert "2 worker(s)" in out  # /get_world_size did answer
 
 

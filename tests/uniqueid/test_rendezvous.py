@@ -49,6 +49,7 @@ from support.memory_server import MemoryServer
 SLACK = 1.5  # seconds a deadline may be overrun on a loaded machine
 INIT = "/init_weight_transfer_engine"
 SHUTDOWN = "/shutdown_weight_transfer_engine"
+ENGINE = ["/is_paused", "/weight_info"]  # connect asks each engine core before any init
 
 
 class WaitingJoin(MemoryJoin):
@@ -134,7 +135,7 @@ def test_three_servers_get_consecutive_rank_offsets_in_one_world(servers):
                    packed_num_buffers=3, timeout=20, joiner=joiner)
     b64 = conn.unique_id.to_b64()
     for host, offset in zip(hosts, (1, 2, 4)):
-        assert host.routes() == ["/get_world_size", INIT]
+        assert host.routes() == ["/get_world_size", *ENGINE, INIT]
         assert host.init_infos == [{"nccl_unique_id_b64": b64, "rank_offset": offset,
                                     "world_size": 8, "packed": True,
                                     "packed_buffer_size_bytes": 4096, "packed_num_buffers": 3}]
@@ -163,7 +164,7 @@ def test_given_worker_counts_are_not_asked_and_more_trainer_ranks_shift_the_offs
     conn = connect([a.url, b.url], workers=[2, 3], trainer_ranks=2, unique_id=uid,
                    packed=False, timeout=20, joiner=MemoryJoin())
     try:
-        assert a.routes() == [INIT] and b.routes() == [INIT]
+        assert a.routes() == [*ENGINE, INIT] and b.routes() == [*ENGINE, INIT]
         assert [(i["rank_offset"], i["world_size"]) for i in a.init_infos + b.init_infos] == \
             [(2, 7), (4, 7)]
         assert conn.unique_id is uid
@@ -177,7 +178,7 @@ def test_one_server_with_its_count_given_as_an_int(servers):
     """A single URL and ``workers`` an int: the simplest call."""
     host = servers(2)
     conn = connect(host.url, workers=2, timeout=20, joiner=MemoryJoin())
-    assert host.routes() == [INIT] and conn.init_info.world_size == 3
+    assert host.routes() == [*ENGINE, INIT] and conn.init_info.world_size == 3
     conn.close()
 
 
@@ -226,6 +227,56 @@ def test_without_a_gpu_nccls_join_fails_before_any_server_is_told(servers):
     with pytest.raises(CudaError):
         connect(host.url, timeout=20, joiner=NCCL_JOIN)
     assert host.routes() == []
+
+
+# -- a server stuck inside NCCL ----------------------------------------------------
+
+@pytest.mark.parametrize("route", ENGINE)
+def test_a_server_whose_engine_does_not_answer_is_named_before_any_init(servers, monkeypatch,
+                                                                          route):
+    """Issue 35, item 5. A trainer killed mid-push leaves vLLM's worker
+    inside NCCL: its API process still answers ``/get_world_size``, its
+    engine core nothing. ``connect`` posted the init there (never joined)
+    and waited its whole init deadline for ``RendezvousTimeout``. Now it
+    asks each engine core first: ``ServerStuck`` naming that server alone
+    and the restart, within ``ENGINE_ANSWER_S``; no init posted anywhere;
+    once it answers again (restarted), the same call forms the group."""
+    monkeypatch.setattr(rendezvous, "ENGINE_ANSWER_S", 1.0)
+    good, stuck = servers(1), servers(2)
+    stuck.hold[route] = threading.Event()
+    t = time.monotonic()
+    with pytest.raises(ServerStuck, match=f"{stuck.url}: its engine does not answer "
+                                          rf"\(GET {route} took over 1 s.*restart that server"):
+        connect([good.url, stuck.url], timeout=20, joiner=MemoryJoin())
+    assert time.monotonic() - t < 1.0 + SLACK
+    assert inits(good) == inits(stuck) == []
+    stuck.hold.pop(route).set()
+    connect([good.url, stuck.url], timeout=20, joiner=MemoryJoin()).close()
+    assert inits(good) == inits(stuck) == [INIT]
+
+
+def test_stuck_servers_are_asked_at_once_and_each_named_in_one_sentence(servers, monkeypatch):
+    """Two stuck servers cost one wait, not two, and the error names both."""
+    monkeypatch.setattr(rendezvous, "ENGINE_ANSWER_S", 1.0)
+    hosts = [servers(1), servers(1)]
+    for h in hosts:
+        h.hold["/is_paused"] = threading.Event()
+    t = time.monotonic()
+    with pytest.raises(ServerStuck) as e:
+        connect([h.url for h in hosts], timeout=20, joiner=MemoryJoin())
+    assert time.monotonic() - t < 1.0 + SLACK
+    assert all(h.url in str(e.value) for h in hosts) and "\n" not in str(e.value)
+    assert all(inits(h) == [] for h in hosts)
+
+
+def test_the_engine_question_stays_within_connects_deadline(servers):
+    """A deadline shorter than ``ENGINE_ANSWER_S`` bounds the question too."""
+    stuck = servers(1)
+    stuck.hold["/is_paused"] = threading.Event()
+    t = time.monotonic()
+    with pytest.raises(ServerStuck, match=r"took over 0\.\d+ s"):
+        connect(stuck.url, workers=1, timeout=0.5, joiner=MemoryJoin())
+    assert time.monotonic() - t < 0.5 + SLACK and inits(stuck) == []
 
 
 # -- refused and silent inits -------------------------------------------------------
@@ -366,7 +417,7 @@ def test_close_leaves_given_clients_open_and_can_skip_release_and_free(servers):
     conn = connect(c, workers=1, timeout=20, joiner=joiner)
     assert not conn.owns_clients
     conn.close(shutdown_servers=False, free_comm=False)
-    assert host.routes() == [INIT] and not joiner.comms[0].destroyed
+    assert host.routes() == [*ENGINE, INIT] and not joiner.comms[0].destroyed
     assert c.get_world_size() == 1  # still open
 
 
