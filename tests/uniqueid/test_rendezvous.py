@@ -87,8 +87,9 @@ class AnsweredJoin(MemoryJoin):
 
 @pytest.fixture
 def posts(monkeypatch) -> list:
-    """The init posts ``connect`` makes, all servers' at once: each a
-    ``fleet.Calls`` (watched where the rendezvous makes them)."""
+    """The calls on every server at once ``connect`` makes (``fleet.Calls``,
+    watched where the rendezvous makes them): the engines' check, then the
+    init posts, last."""
     made, calls = [], rendezvous.Calls
 
     def watched(*args, **kwargs):
@@ -332,7 +333,7 @@ def test_workers_that_never_join_time_out_naming_the_servers_that_answered(serve
     ``RendezvousTimeout`` with the likely causes and the servers that
     answered."""
     hosts = [servers(1), servers(2)]
-    joiner = WaitingJoin(gives_up=lambda: bool(posts) and posts[0].ended.done())
+    joiner = WaitingJoin(gives_up=lambda: bool(posts) and posts[-1].ended.done())
     with pytest.raises(RendezvousTimeout) as err:
         connect([h.url for h in hosts], timeout=30, joiner=joiner)
     assert "answered 200 but its workers never joined" in str(err.value)
