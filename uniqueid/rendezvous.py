@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from nccl_cffi import (
     DEFAULT_INIT_TIMEOUT,
@@ -519,34 +519,44 @@ def connect(servers: Servers, *, device: int = 0,
         The connection.
 
     Raises:
-        CudaError, NcclLibraryNotFound: the trainer cannot join (nothing
-            was posted).
+        CudaError, NcclLibraryNotFound: the trainer cannot join (nothing posted).
         ValueError: no server given, or a URL that is not http(s).
-        RendezvousError: a server refused, or a setting is invalid; also a
-            server's ``/get_world_size`` failing (a ``VLLMHTTPError``, ...).
+        RendezvousError: a server refused (its ``/get_world_size`` too), or a setting.
         RendezvousTimeout: the group did not form within ``timeout``.
-        ServerStuck: a server's engine does not answer (its workers are
-            most likely inside NCCL: restart it); nothing was posted.
+        ServerStuck: a server's engine does not answer: restart it (nothing posted).
         NcclError: NCCL could not mint the id, or refused the trainer's init
             or warm-up (a version mismatch, a duplicate GPU, ...).
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-        raise RendezvousError(f"connect's timeout must be a positive number of seconds, got "
-                              f"{timeout!r}")
-    deadline = Deadline(timeout)
+    deadline = _connect_deadline(timeout)
     joiner.preflight(device)
-    owned = _made_here(servers)
-    clients = as_clients(servers)
-    counts = world_sizes(clients, workers, deadline)
+    owned, clients = _made_here(servers), as_clients(servers)
     settings = dict(packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
                     packed_num_buffers=packed_num_buffers, use_load_plan=use_load_plan,
                     metadata=metadata)
-    _init_infos(_ANY_ID, counts, trainer_ranks, **settings)  # refused before any more calls
-    check_engines(clients, deadline)  # before the id is minted: NCCL's listens until an init
-    uid = unique_id or joiner.mint()
-    infos = _init_infos(uid, counts, trainer_ranks, **settings)
+    uid, infos = _planned(clients, workers, trainer_ranks, unique_id, joiner, deadline, settings)
     comm = _join(clients, infos, joiner, device, deadline)
     return Connection(comm, clients, infos, device, uid, owns_clients=owned)
+
+
+def _connect_deadline(timeout: Any) -> Deadline:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+        raise RendezvousError(f"connect's timeout must be a positive number of seconds, got "
+                              f"{timeout!r}")
+    return Deadline(timeout)
+
+
+def _planned(clients: Sequence[VLLMClient], workers: Sequence[int] | int | None,
+             trainer_ranks: int, unique_id: UniqueId | None, joiner: Joiner, deadline: Deadline,
+             settings: dict[str, object]) -> tuple[UniqueId, list[InitInfo]]:
+    """The group's id and each server's ``init_info``, once everything that
+    can be checked before an init is posted was: the world sizes, the
+    settings, and that every engine answers (before the id is minted:
+    NCCL's listens until an init)."""
+    counts = world_sizes(clients, workers, deadline)
+    _init_infos(_ANY_ID, counts, trainer_ranks, **settings)  # refused before any more calls
+    check_engines(clients, deadline)
+    uid = unique_id or joiner.mint()
+    return uid, _init_infos(uid, counts, trainer_ranks, **settings)
 
 
 def _init_infos(uid: UniqueId, workers: Sequence[int], trainer_ranks: int,
