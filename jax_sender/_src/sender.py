@@ -12,6 +12,11 @@ How the trainer takes part is a *route*: ``SingleProcess`` (one trainer
 process sends everything) or ``ProcessGroup`` (several, see ``group.py``).
 ``send(wait=False)`` snapshots what it sends (XLA copies, dispatched before
 it returns) and runs the push in the background, while the trainer trains.
+The snapshot compiles nothing per tensor on the trainer's thread: the
+packed chunks themselves once an earlier push compiled their calls
+(``packing.py``), else copies of the arrays, from which the push packs on
+its own thread as a blocking push would (compiling the chunks' calls there,
+for the next one).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from uniqueid import UpdateInfo, as_clients
@@ -46,7 +50,7 @@ from .errors import MetadataError, TransferError
 from .feeds import Copies, Produced, Received, Tensors
 from .group import Share, TrainerGroup, join_gathers, share_from_process_0
 from .naming import Mapping, identity
-from .packing import packable, writable, write_chunk
+from .packing import copies, packable, writable, write_chunk
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import Feed, PreparedPush, Round
 from .routes import ProcessGroup, Route, SingleProcess, usable_device
@@ -107,11 +111,20 @@ def check_push(weight_version: Any, pause: Any, metadata: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Snapshot:
-    """An asynchronous push's private copies: one per chunk of its turn
-    (``chunks``, packed by XLA), or one per tensor."""
+    """An asynchronous push's private copies, dispatched before ``send``
+    returns: chunk ``k`` of its turn packed by XLA (``chunks``), and a copy
+    of the source array of every tensor in no such chunk (``sources``: the
+    caller's paths; None where a tensor is in ``chunks``). ``by_xla``: the
+    push's chunks are XLA's (``chunks``, or made from ``sources`` on the
+    push's thread), not copies into staging slots."""
 
-    arrays: list[jax.Array]
-    chunks: bool
+    chunks: dict[int, jax.Array]
+    sources: Sources
+    by_xla: bool
+
+    def arrays(self) -> list[jax.Array]:
+        """Every array the snapshot holds."""
+        return [*self.chunks.values(), *(a for a in self.sources.arrays if a is not None)]
 
 
 class WeightSender:
@@ -141,6 +154,8 @@ class WeightSender:
         # The last asynchronous push's chunk buffers, by chunk: the next one writes
         # into them again (donated), once that push is over.
         self._staging: dict[int, jax.Array] = {}
+        # The metadata whose chunks' jitted calls every one ran once (compiled).
+        self._compiled: list[TensorMeta] | None = None
         session.on_reset.append(self._drop_staging)
 
     @classmethod
@@ -275,8 +290,9 @@ class WeightSender:
             push.rounds = [self._round(t, feed) for t in turns]
             push.stats.prepare_s = time.perf_counter() - t0
             if snapshot is None and not wait:
-                log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
-                         "pushing blocking", push.stats.bytes, self.session.config.staging_bytes)
+                log.info("send(wait=False): a snapshot of %d B of tensors exceeds staging_bytes="
+                         "%s (or they need gathering); pushing blocking", push.stats.bytes,
+                         self.session.config.staging_bytes)
             return self.session.run(ticket, push, background=snapshot is not None, t0=t0)
 
     def _turns_of(self, metas: list[TensorMeta], sources: Sources) -> list[TurnUpdate]:
@@ -328,12 +344,12 @@ class WeightSender:
         the wait for the arrays it reads to be computed (None: none needed)."""
         packed = self.session.info.packed
         if snapshot is not None:
-            arrays = snapshot.arrays
-            ready = functools.partial(jax.block_until_ready, arrays)
-            if snapshot.chunks:
-                return lambda t: Produced(chunks=t.chunks, make=lambda k, _: arrays[k],
-                                          root=t.turn.src), ready
-            get, temporaries = arrays.__getitem__, False
+            ready = functools.partial(jax.block_until_ready, snapshot.arrays())
+            if snapshot.by_xla:
+                return lambda t: Produced(chunks=t.chunks, root=t.turn.src,
+                                          make=self._from_snapshot(t, metas, snapshot)), ready
+            sources = snapshot.sources  # packed by copies, or unpacked, as a blocking push
+            get, temporaries = self._place.getter(metas, sources)
         else:
             # Arrays this process holds are waited for before any /update_weights,
             # with or without a transform; others (host data, gathers) are got on the lane.
@@ -372,48 +388,82 @@ class WeightSender:
         """Private copies of what the push sends, dispatched now, in the
         caller's thread: XLA runs them before anything the trainer dispatches
         next, so a step that donates (and overwrites) the parameters cannot
-        change the bytes in flight. Packed, the copies are the chunks
-        themselves, so the push only broadcasts. None when they would not
-        fit ``config.staging_bytes`` or the sources need gathering."""
-        bound = self.session.config.staging_bytes
-        if ((bound is not None and sum(m.nbytes for m in metas) > bound)
-                or not on_device(sources, self.device)):
+        change the bytes in flight. Where an earlier push compiled this
+        layout's chunk calls, the copies are those chunks themselves (the
+        push only broadcasts them); every other tensor's source array is
+        copied (``packing.copies``: nothing compiled per tensor), and the
+        push makes its bytes from the copy. None when they would not fit
+        ``config.staging_bytes`` or the sources need gathering."""
+        if not on_device(sources, self.device):
             return None
-        if self.session.info.packed and packable(turn.chunks):
-            return _Snapshot(arrays=self._write_chunks(turn, metas, sources), chunks=True)
-        # The copies are what ``describe`` traced (the same transform, jitted), so
-        # their metadata needs no check: the trainer waits for this call alone.
-        return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.apply)(
-            unmeshed(sources.arrays, self.device)), chunks=False)
+        by_xla = self.session.info.packed and packable(turn.chunks)
+        compiled = by_xla and self._compiled is metas
+        in_chunks = [k for k, c in enumerate(turn.chunks) if compiled and not c.single]
+        taken = {j for k in in_chunks for j in range(turn.chunks[k].start, turn.chunks[k].stop)}
+        copied = [i for j, i in enumerate(turn.turn.params) if j not in taken]
+        size = (sum(turn.chunks[k].nbytes for k in in_chunks)
+                + sum({id(a): a.nbytes for a in (sources.arrays[i] for i in copied)}.values()))
+        bound = self.session.config.staging_bytes
+        if bound is not None and size > bound:
+            return None
+        if not compiled:
+            self._staging = {}  # another layout's buffers: free them before copying
+        arrays: list[Any] = [None] * len(sources)
+        made = copies(unmeshed([sources.arrays[i] for i in copied], self.device))
+        for i, a in zip(copied, made):
+            arrays[i] = a
+        return _Snapshot(chunks=self._write_chunks(turn, metas, sources, in_chunks),
+                         sources=Sources(sources.paths, arrays, local=True), by_xla=by_xla)
 
-    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
-                      sources: Sources) -> list[jax.Array]:
-        """Every chunk of ``turn``, dispatched, each written into the buffer
-        the last asynchronous push used for it (donated, so nothing is
+    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources,
+                      which: list[int]) -> dict[int, jax.Array]:
+        """Chunks ``which`` of ``turn``, dispatched, each written into the
+        buffer the last asynchronous push used for it (donated, so nothing is
         allocated). Called only once that push is over: its broadcasts read
         those buffers."""
-        make = self._packs(turn, metas, sources, copy=True)
+        if not which:
+            return {}
+        make = self._packs(turn, metas, sources)
         kept, self._staging = self._staging, {}  # a buffer once donated is gone
-        out = [make(k, kept.get(k)) for k in range(len(turn.chunks))]
-        self._staging = {k: a for k, (c, a) in enumerate(zip(turn.chunks, out))
-                         if writable(c, turn.metas)}
+        out = {k: make(k, kept.get(k)) for k in which}
+        self._staging = {k: a for k, a in out.items() if writable(turn.chunks[k], turn.metas)}
         return out
 
-    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources, *,
-               copy: bool = False) -> Callable[[int, jax.Array | None], jax.Array]:
+    def _from_snapshot(self, turn: TurnUpdate, metas: list[TensorMeta],
+                       snapshot: _Snapshot) -> Callable[[int, jax.Array | None], jax.Array]:
+        """``make(k, spare)`` for a push from ``snapshot``: its chunk ``k``, or
+        a single tensor made from its copy; with no chunks, every chunk made
+        from the copies as a blocking push makes it (on the push's thread,
+        where the chunks' calls are compiled, once). ``spare`` is unused: a
+        chunk of the snapshot is kept for the next one."""
+        chunks, copied, params = snapshot.chunks, snapshot.sources, turn.turn.params
+        if not chunks:
+            return self._packs(turn, metas, copied)
+        return lambda k, _: (chunks[k] if k in chunks
+                             else self._place.checked(metas, copied, params[turn.chunks[k].start]))
+
+    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources
+               ) -> Callable[[int, jax.Array | None], jax.Array]:
         """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
         written into ``spare`` when it fits (``packing.write_chunk``). A chunk
-        of one tensor is the transform's output itself, unless ``copy`` (a
-        snapshot must not share the caller's arrays)."""
-        paths = [sources.paths[i] for i in turn.turn.params]
-        arrays = unmeshed([sources.arrays[i] for i in turn.turn.params], self.device)
+        of one tensor is the transform's output itself. Once every chunk of
+        several tensors was made, their calls are compiled: the next
+        asynchronous push of this metadata snapshots them."""
+        params = turn.turn.params
+        paths = [sources.paths[i] for i in params]
+        arrays = unmeshed([sources.arrays[i] for i in params], self.device)
         transform = self.mapping.apply
+        left = {k for k, c in enumerate(turn.chunks) if not c.single}
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:
             c = turn.chunks[k]
-            if c.single and not copy:  # broadcast from the transform's output
-                return self._place.checked(metas, sources, turn.turn.params[c.start])
-            return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
+            if c.single:  # broadcast from the transform's output
+                return self._place.checked(metas, sources, params[c.start])
+            out = write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
+            left.discard(k)
+            if not left:
+                self._compiled = metas
+            return out
         return make
 
     def _drop_staging(self, aborted: bool) -> None:
@@ -514,11 +564,3 @@ def open_session(route: Route, config: SendConfig, device: jax.Device) -> Sessio
     return Session(route, connection, config, broadcaster=lambda conn: Broadcaster(
         conn.comm, device, conn.init_info.packed_buffer_size_bytes,
         conn.init_info.packed_num_buffers))
-
-
-@functools.lru_cache(maxsize=4)
-def _copier(paths: tuple[Any, ...], transform: Callable[[Any, Any], Any]
-            ) -> Callable[[list[jax.Array]], list[jax.Array]]:
-    """One jitted function that transforms and copies every array of a tree
-    with these paths (compiled once per structure and shapes)."""
-    return jax.jit(lambda xs: [jnp.copy(transform(p, x)) for p, x in zip(paths, xs)])
