@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import SingleDeviceSharding
 
 from .plan import Chunk, TensorMeta
 
@@ -41,7 +42,7 @@ from .plan import Chunk, TensorMeta
 # (docs/benchmarks.md, "Figures behind the design"). A push past either is
 # packed by copies instead (``Broadcaster.packed``).
 MAX_TENSORS = 256
-MAX_PACKED = 1024
+MAX_PACKED = 512
 # An asynchronous push's copies: arrays of one shape and dtype, this many at
 # a time, through one jitted call (compiled once per shape), for the few
 # shapes most arrays share; the rest one by one (``jax.device_put``).
@@ -193,6 +194,24 @@ def write_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
         buffer = jnp.zeros((words,), unit, device=device)
     write = chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets)
     return write(buffer, list(arrays[span]))
+
+
+def compile_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
+                  arrays: Sequence[jax.Array], transform: Transform, device: jax.Device) -> None:
+    """Compile, without running it, the call ``write_chunk`` makes for
+    ``chunk`` of these arrays (or arrays of the same shapes, dtypes and
+    placement), and the fill of a fresh buffer for it: a push compiles its
+    chunks' calls before the workers wait for its broadcasts."""
+    span = slice(chunk.start, chunk.stop)
+    xs = list(arrays[span])
+    if not writable(chunk, metas):
+        chunk_packer(tuple(paths[span]), transform, tuple(metas[span])).lower(xs).compile()
+        return
+    unit, words = _words(chunk, metas)
+    jnp.zeros((words,), unit, device=device)  # one buffer, dropped: its fill is compiled
+    buffer = jax.ShapeDtypeStruct((words,), unit, sharding=SingleDeviceSharding(device))
+    chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets).lower(
+        buffer, xs).compile()
 
 
 def pack_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],

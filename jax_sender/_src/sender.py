@@ -15,8 +15,8 @@ it returns) and runs the push in the background, while the trainer trains.
 The snapshot compiles nothing per tensor on the trainer's thread: the
 packed chunks themselves once an earlier push compiled their calls
 (``packing.py``), else copies of the arrays, from which the push packs on
-its own thread as a blocking push would (compiling the chunks' calls there,
-for the next one).
+its own thread as a blocking push would (compiling the chunks' calls there
+first, before any ``/update_weights``: the next push snapshots with them).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from .errors import MetadataError, TransferError
 from .feeds import Copies, Produced, Received, Tensors
 from .group import Share, TrainerGroup, join_gathers, share_from_process_0
 from .naming import Mapping, identity
-from .packing import copies, packable, writable, write_chunk
+from .packing import compile_chunk, copies, packable, writable, write_chunk
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import Feed, PreparedPush, Round
 from .routes import ProcessGroup, Route, SingleProcess, usable_device
@@ -111,13 +111,14 @@ def check_push(weight_version: Any, pause: Any, metadata: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Snapshot:
-    """An asynchronous push's private copies, dispatched before ``send``
-    returns: chunk ``k`` of its turn packed by XLA (``chunks``), and a copy
-    of the source array of every tensor in no such chunk (``sources``: the
+    """An asynchronous push's private copies of ``turn``, dispatched before
+    ``send`` returns: chunk ``k`` packed by XLA (``chunks``), and a copy of
+    the source array of every tensor in no such chunk (``sources``: the
     caller's paths; None where a tensor is in ``chunks``). ``by_xla``: the
     push's chunks are XLA's (``chunks``, or made from ``sources`` on the
     push's thread), not copies into staging slots."""
 
+    turn: TurnUpdate
     chunks: dict[int, jax.Array]
     sources: Sources
     by_xla: bool
@@ -345,6 +346,8 @@ class WeightSender:
         packed = self.session.info.packed
         if snapshot is not None:
             ready = functools.partial(jax.block_until_ready, snapshot.arrays())
+            if snapshot.by_xla and not snapshot.chunks:  # its chunks' calls compile first
+                ready = functools.partial(self._compile_then_wait, metas, snapshot)
             if snapshot.by_xla:
                 return lambda t: Produced(chunks=t.chunks, root=t.turn.src,
                                           make=self._from_snapshot(t, metas, snapshot)), ready
@@ -412,7 +415,7 @@ class WeightSender:
         made = copies(unmeshed([sources.arrays[i] for i in copied], self.device))
         for i, a in zip(copied, made):
             arrays[i] = a
-        return _Snapshot(chunks=self._write_chunks(turn, metas, sources, in_chunks),
+        return _Snapshot(turn=turn, chunks=self._write_chunks(turn, metas, sources, in_chunks),
                          sources=Sources(sources.paths, arrays, local=True), by_xla=by_xla)
 
     def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources,
@@ -429,12 +432,26 @@ class WeightSender:
         self._staging = {k: a for k, a in out.items() if writable(turn.chunks[k], turn.metas)}
         return out
 
+    def _compile_then_wait(self, metas: list[TensorMeta], snapshot: _Snapshot) -> None:
+        """The readiness step of a push that packs its copies by XLA, on a
+        thread of its own beside ``/start_weight_update``: compile every
+        chunk's call for the copies (so no worker waits in NCCL while one
+        compiles, and the next push snapshots with them), then wait for the
+        copies."""
+        turn, copied = snapshot.turn, snapshot.sources
+        paths = [copied.paths[i] for i in turn.turn.params]
+        arrays = [copied.arrays[i] for i in turn.turn.params]
+        for c in turn.chunks:
+            if not c.single:
+                compile_chunk(c, turn.metas, paths, arrays, self.mapping.apply, self.device)
+        self._compiled = metas
+        jax.block_until_ready(snapshot.arrays())
+
     def _from_snapshot(self, turn: TurnUpdate, metas: list[TensorMeta],
                        snapshot: _Snapshot) -> Callable[[int, jax.Array | None], jax.Array]:
         """``make(k, spare)`` for a push from ``snapshot``: its chunk ``k``, or
         a single tensor made from its copy; with no chunks, every chunk made
-        from the copies as a blocking push makes it (on the push's thread,
-        where the chunks' calls are compiled, once). ``spare`` is unused: a
+        from the copies as a blocking push makes it. ``spare`` is unused: a
         chunk of the snapshot is kept for the next one."""
         chunks, copied, params = snapshot.chunks, snapshot.sources, turn.turn.params
         if not chunks:

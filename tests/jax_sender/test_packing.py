@@ -113,9 +113,9 @@ def test_xla_packs_a_push_only_while_its_calls_are_small_and_few():
             at += n
         return out
 
-    assert packable(chunks(256, 256, 256, 256)) and packable(chunks(91))
+    assert packable(chunks(256, 256)) and packable(chunks(91)) and packable(chunks(*[25] * 20))
     assert not packable(chunks(257))
-    assert not packable(chunks(256, 256, 256, 256, 2))
+    assert not packable(chunks(256, 256, 2))
     assert packable(chunks(*[1] * 20_000, 256))
     assert packable([])
 

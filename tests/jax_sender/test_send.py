@@ -278,6 +278,32 @@ def test_the_first_asynchronous_push_of_a_layout_survives_donation(way, transfor
     assert held(server) == want and caster.passes == ["xla" if way == "xla" else "copies"]
 
 
+def test_the_first_asynchronous_push_compiles_before_any_worker_waits_for_it():
+    """Its chunks' calls compile on the push's own thread (the trainer has
+    gone on), before its ``/update_weights``: no worker waits in NCCL while
+    XLA compiles. The second push snapshots with those calls."""
+    compiled: list[float] = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(time.monotonic())
+
+    sender, (server,), caster = memory_sender(SMALL)
+    p, then = {"probe": params(5)}, {"probe": params(6)}  # names no other test compiled
+    jax.block_until_ready((p, then))
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        sender.send(p, wait=False).result(timeout=20)
+        first = len(compiled)
+        sender.send(then, wait=False).result(timeout=20)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    (update, _) = calls(server, "/update_weights")
+    assert compiled and all(t < update.arrived for t in compiled)
+    assert len(compiled) == first and held(server) == expected(then)
+    assert caster.passes == ["xla", "xla"] and sender._staging
+
+
 @pytest.mark.parametrize("tensors, nbytes, chunks", [(2000, 65536, 16), (20_000, 16, 1)])
 def test_the_first_asynchronous_push_of_many_tensors_holds_the_trainer_briefly(
         tensors, nbytes, chunks):
