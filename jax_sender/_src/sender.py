@@ -256,8 +256,9 @@ class WeightSender:
                 go on: the push snapshots what it sends (XLA copies,
                 dispatched before this returns, so a later step that donates
                 the parameters cannot change them) and runs in the
-                background. Single-process senders only; a push larger than
-                ``config.staging_bytes`` runs blocking instead.
+                background. Nothing is compiled per tensor before it
+                returns. Single-process senders only; a push whose snapshot
+                would exceed ``config.staging_bytes`` runs blocking instead.
 
         Returns:
             The push's ``SendStats``, or its ``PendingSend``.
@@ -343,24 +344,21 @@ class WeightSender:
                ) -> tuple[Callable[[TurnUpdate], Feed], Callable[[], None] | None]:
         """How this push produces its chunks, chosen once: a turn's feed, and
         the wait for the arrays it reads to be computed (None: none needed)."""
-        packed = self.session.info.packed
         if snapshot is not None:
-            ready = functools.partial(jax.block_until_ready, snapshot.arrays())
-            if snapshot.by_xla and not snapshot.chunks:  # its chunks' calls compile first
-                ready = functools.partial(self._compile_then_wait, metas, snapshot)
-            if snapshot.by_xla:
-                return lambda t: Produced(chunks=t.chunks, root=t.turn.src,
-                                          make=self._from_snapshot(t, metas, snapshot)), ready
-            sources = snapshot.sources  # packed by copies, or unpacked, as a blocking push
-            get, temporaries = self._place.getter(metas, sources)
-        else:
-            # Arrays this process holds are waited for before any /update_weights,
-            # with or without a transform; others (host data, gathers) are got on the lane.
-            local = on_device(sources, self.device)
-            ready = readiness(sources) if local or addressable(sources) else None
-            if packed and local and self.mapping.transform is not identity:
-                return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
-            get, temporaries = self._place.getter(metas, sources)
+            return self._snapshot_feeds(metas, snapshot)
+        # Arrays this process holds are waited for before any /update_weights,
+        # with or without a transform; others (host data, gathers) are got on the lane.
+        local = on_device(sources, self.device)
+        ready = readiness(sources) if local or addressable(sources) else None
+        if self.session.info.packed and local and self.mapping.transform is not identity:
+            return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
+        return self._by_tensor(*self._place.getter(metas, sources)), ready
+
+    def _by_tensor(self, get: Callable[[int], jax.Array], temporaries: bool
+                   ) -> Callable[[TurnUpdate], Feed]:
+        """A turn's feed from its tensors ``get(i)``: copied into staging
+        slots (packed), or one broadcast each."""
+        packed = self.session.info.packed
 
         def feed(t: TurnUpdate) -> Feed:
             mine = t.turn.params
@@ -369,7 +367,22 @@ class WeightSender:
                 return Copies(metas=t.metas, chunks=t.chunks, get=at, root=t.turn.src,
                               temporaries=temporaries)
             return Tensors(metas=t.metas, get=at, root=t.turn.src)
-        return feed, ready
+        return feed
+
+    def _snapshot_feeds(self, metas: list[TensorMeta], snapshot: _Snapshot
+                        ) -> tuple[Callable[[TurnUpdate], Feed], Callable[[], None]]:
+        """``_feeds`` for a push from ``snapshot``: its chunks broadcast, or
+        made from its copies as a blocking push makes them (those of a push
+        that packs by XLA, with their calls compiled first). Each called
+        once, and forgotten as it is called (``_once``)."""
+        ready = functools.partial(jax.block_until_ready, snapshot.arrays())
+        if snapshot.by_xla and not snapshot.chunks:  # its chunks' calls compile first
+            ready = functools.partial(self._compile_then_wait, metas, snapshot)
+        if snapshot.by_xla:
+            feed = lambda t: self._from_snapshot(t, metas, snapshot)  # noqa: E731
+        else:
+            feed = self._by_tensor(*self._place.getter(metas, snapshot.sources))
+        return lambda t: _once(feed(t)), _once(ready)
 
     def _xla_or_copies(self, t: TurnUpdate, metas: list[TensorMeta], sources: Sources) -> Feed:
         if packable(t.chunks):
@@ -448,16 +461,16 @@ class WeightSender:
         jax.block_until_ready(snapshot.arrays())
 
     def _from_snapshot(self, turn: TurnUpdate, metas: list[TensorMeta],
-                       snapshot: _Snapshot) -> Callable[[int, jax.Array | None], jax.Array]:
-        """``make(k, spare)`` for a push from ``snapshot``: its chunk ``k``, or
-        a single tensor made from its copy; with no chunks, every chunk made
-        from the copies as a blocking push makes it. ``spare`` is unused: a
-        chunk of the snapshot is kept for the next one."""
+                       snapshot: _Snapshot) -> Produced:
+        """``turn``'s chunks from ``snapshot``: its chunk ``k``, or a single
+        tensor made from its copy; with no chunks, every chunk made from the
+        copies as a blocking push makes it. A chunk of the snapshot is kept
+        for the next push, never handed on as a spare."""
         chunks, copied, params = snapshot.chunks, snapshot.sources, turn.turn.params
-        if not chunks:
-            return self._packs(turn, metas, copied)
-        return lambda k, _: (chunks[k] if k in chunks
-                             else self._place.checked(metas, copied, params[turn.chunks[k].start]))
+        make = self._packs(turn, metas, copied) if not chunks else (
+            lambda k, _: chunks[k] if k in chunks
+            else self._place.checked(metas, copied, params[turn.chunks[k].start]))
+        return Produced(chunks=turn.chunks, make=make, root=turn.turn.src)
 
     def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources
                ) -> Callable[[int, jax.Array | None], jax.Array]:
@@ -566,6 +579,16 @@ class WeightSender:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _once(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` for one call, forgotten as it is made: what it holds (an
+    asynchronous push's copies) is freed on the thread that calls it, before
+    that thread reports back, not later by whichever thread drops the push
+    last. Why: a JAX array freed on a daemon thread while the interpreter
+    exits aborts the process ("FATAL: exception not rethrown")."""
+    box = [fn]
+    return lambda *args: box.pop()(*args)
 
 
 def open_session(route: Route, config: SendConfig, device: jax.Device) -> Session:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,38 @@ def test_the_first_asynchronous_push_compiles_before_any_worker_waits_for_it():
     assert compiled and all(t < update.arrived for t in compiled)
     assert len(compiled) == first and held(server) == expected(then)
     assert caster.passes == ["xla", "xla"] and sender._staging
+
+
+@pytest.mark.parametrize("way", ["xla", "copies", "unpacked"])
+def test_a_finished_asynchronous_push_holds_none_of_its_copies(way, monkeypatch):
+    """The push forgets its snapshot's copies as its threads finish with
+    them, before they report: a copy freed later, by whichever daemon thread
+    drops the push last, may be freed while the interpreter exits, which
+    aborts the process ("FATAL: exception not rethrown"). The push object
+    itself is kept here: its copies are gone all the same."""
+    from jax_sender._src import packing
+    if way == "copies":
+        monkeypatch.setattr("jax_sender._src.packing.MAX_PACKED", 3)
+    made: list = []
+
+    def recording(arrays):
+        out = packing.copies(arrays)
+        made.extend(weakref.ref(a) for a in out)
+        return out
+
+    monkeypatch.setattr("jax_sender._src.sender.copies", recording)
+    sender, (server,), caster = memory_sender(SendConfig(packed=way != "unpacked",
+                                                         buffer_size_bytes=4096))
+    kept, run = [], sender.session.run
+
+    def keeping(ticket, push, **kwargs):
+        kept.append(push)
+        return run(ticket, push, **kwargs)
+
+    monkeypatch.setattr(sender.session, "run", keeping)
+    sender.send(params(1), wait=False).result(timeout=20)
+    assert held(server) == expected(params(1)) and kept and made
+    assert wait_for(lambda: all(r() is None for r in made), 5), caster.passes
 
 
 @pytest.mark.parametrize("tensors, nbytes, chunks", [(2000, 65536, 16), (20_000, 16, 1)])
