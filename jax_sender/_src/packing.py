@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import SingleDeviceSharding
 
@@ -89,7 +90,20 @@ def _copy_all(xs: list[jax.Array]) -> list[jax.Array]:
     return [jnp.copy(x) for x in xs]
 
 
-def copies(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+@functools.cache
+def puts_copy(device: jax.Device) -> bool:
+    """Whether ``jax.device_put(x, may_alias=False)`` makes a buffer of its
+    own for an array already on ``device`` (a copy the runtime makes, which
+    an older one refused on the same device). Looked at once per device."""
+    x = jax.device_put(np.zeros(4, np.uint8), device)
+    try:
+        y = jax.device_put(x, may_alias=False)
+        return y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    except RuntimeError:  # jaxlib's XlaRuntimeError: the runtime refused
+        return False
+
+
+def copies(arrays: Sequence[jax.Array], device: jax.Device) -> list[jax.Array]:
     """A private copy of each array (one per distinct array: a leaf that
     makes several tensors is copied once), dispatched, not waited for.
 
@@ -98,13 +112,16 @@ def copies(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     per array: the ``GROUPED_SHAPES`` shapes (and dtypes) most arrays share
     are copied ``COPY_GROUP`` at a time by one small jitted call, compiled
     once per shape; every other array by ``jax.device_put`` (a copy XLA's
-    runtime makes without compiling). Both run after what computes the
-    arrays and before any later call that donates them, as any XLA work on
-    an array does. A copy is committed to its device exactly when its array
-    is, so a jitted call compiled for the copies runs the arrays as well.
+    runtime makes without compiling; where it would not, ``puts_copy``, by
+    a jitted copy each, compiled once per shape). Both run after what
+    computes the arrays and before any later call that donates them, as any
+    XLA work on an array does. A copy is committed to its device exactly
+    when its array is, so a jitted call compiled for the copies runs the
+    arrays as well.
 
     Args:
-        arrays: JAX arrays on one device alone.
+        arrays: JAX arrays on ``device`` alone.
+        device: where they are.
 
     Returns:
         The copies, in the order of ``arrays``.
@@ -120,8 +137,10 @@ def copies(arrays: Sequence[jax.Array]) -> list[jax.Array]:
             group = same[s:s + COPY_GROUP]
             made.update(zip(map(id, group), _copy_all(group)))
     rest = [a for a in distinct if id(a) not in made]
-    if rest:
+    if rest and puts_copy(device):
         made.update(zip(map(id, rest), jax.device_put(rest, may_alias=False)))
+    elif rest:
+        made.update((id(a), _copy_all([a])[0]) for a in rest)
     return [made[id(a)] for a in arrays]
 
 

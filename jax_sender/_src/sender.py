@@ -425,7 +425,7 @@ class WeightSender:
         if not compiled:
             self._staging = {}  # another layout's buffers: free them before copying
         arrays: list[Any] = [None] * len(sources)
-        made = copies(unmeshed([sources.arrays[i] for i in copied], self.device))
+        made = copies(unmeshed([sources.arrays[i] for i in copied], self.device), self.device)
         for i, a in zip(copied, made):
             arrays[i] = a
         return _Snapshot(turn=turn, chunks=self._write_chunks(turn, metas, sources, in_chunks),

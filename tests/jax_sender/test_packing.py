@@ -120,18 +120,23 @@ def test_xla_packs_a_push_only_while_its_calls_are_small_and_few():
     assert packable([])
 
 
-def test_copies_are_private_in_order_and_one_per_distinct_array(monkeypatch):
+@pytest.mark.parametrize("runtime_copies", [True, False])
+def test_copies_are_private_in_order_and_one_per_distinct_array(runtime_copies, monkeypatch):
     """Each copy holds its array's bytes in a buffer of its own (a later step
     may donate the array), in the caller's order; an array given twice (a
     leaf that makes several tensors) is copied once; a copy is committed to
     its device exactly when its array is (so a call compiled for the copies
-    runs the arrays too). Arrays of one shape go ``COPY_GROUP`` at a time."""
+    runs the arrays too). Arrays of one shape go ``COPY_GROUP`` at a time;
+    the rest through ``jax.device_put``, or, where the runtime would not
+    copy on the same device, a jitted copy each."""
     monkeypatch.setattr(packing, "COPY_GROUP", 2)
+    monkeypatch.setattr(packing, "puts_copy", lambda device: runtime_copies)
     same = [jnp.full((3, 2), i, jnp.float32) for i in range(5)]
     others = [sample(d, (4,), i) for i, d in enumerate(DTYPES)]
-    pinned = jax.device_put(jnp.arange(6.0).reshape(3, 2), jax.devices()[0])
+    device = jax.devices()[0]
+    pinned = jax.device_put(jnp.arange(6.0).reshape(3, 2), device)
     arrays = [*same, *others, same[1], pinned]
-    out = copies(arrays)
+    out = copies(arrays, device)
     assert [np.asarray(c).tobytes() for c in out] == [np.asarray(a).tobytes() for a in arrays]
     assert [(c.shape, c.dtype) for c in out] == [(a.shape, a.dtype) for a in arrays]
     theirs = {a.unsafe_buffer_pointer() for a in arrays}
@@ -139,6 +144,12 @@ def test_copies_are_private_in_order_and_one_per_distinct_array(monkeypatch):
     assert len({c.unsafe_buffer_pointer() for c in out}) == len(arrays) - 1
     assert out[len(same) + len(others)] is out[1]
     assert [c.committed for c in out] == [a.committed for a in arrays] and pinned.committed
+
+
+def test_jax_device_put_copies_on_the_same_cpu_device():
+    """What ``copies`` counts on here: jaxlib's runtime copies an array
+    already on the device when asked not to alias it."""
+    assert packing.puts_copy(jax.devices()[0])
 
 
 def test_copies_compile_nothing_per_array():
@@ -156,8 +167,8 @@ def test_copies_compile_nothing_per_array():
     jax.block_until_ready(arrays)
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        first = copies(arrays)
-        again = copies(arrays)
+        first = copies(arrays, jax.devices()[0])
+        again = copies(arrays, jax.devices()[0])
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert len(compiled) <= 1, compiled

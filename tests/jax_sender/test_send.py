@@ -317,8 +317,8 @@ def test_a_finished_asynchronous_push_holds_none_of_its_copies(way, monkeypatch)
         monkeypatch.setattr("jax_sender._src.packing.MAX_PACKED", 3)
     made: list = []
 
-    def recording(arrays):
-        out = packing.copies(arrays)
+    def recording(arrays, device):
+        out = packing.copies(arrays, device)
         made.extend(weakref.ref(a) for a in out)
         return out
 
