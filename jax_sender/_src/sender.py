@@ -417,10 +417,10 @@ class WeightSender:
         in_chunks = [k for k, c in enumerate(turn.chunks) if compiled and not c.single]
         taken = {j for k in in_chunks for j in range(turn.chunks[k].start, turn.chunks[k].stop)}
         copied = [i for j, i in enumerate(turn.turn.params) if j not in taken]
-        size = (sum(turn.chunks[k].nbytes for k in in_chunks)
-                + sum({id(a): a.nbytes for a in (sources.arrays[i] for i in copied)}.values()))
         bound = self.session.config.staging_bytes
-        if bound is not None and size > bound:
+        if bound is not None and bound < (
+                sum(turn.chunks[k].nbytes for k in in_chunks)
+                + sum({id(a): a.nbytes for a in (sources.arrays[i] for i in copied)}.values())):
             return None
         if not compiled:
             self._staging = {}  # another layout's buffers: free them before copying

@@ -417,10 +417,17 @@ def test_a_blocking_push_talks_http_on_the_callers_thread():
 
 
 def test_staging_bound_too_small_falls_back_to_a_blocking_push():
-    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=100))
+    """The bound is the snapshot's: a first push's copies of the arrays
+    (10,441 bytes here), a later one's chunks and copies (as many)."""
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=10_440))
     stats = sender.send(params(7), wait=False)
     assert not isinstance(stats, PendingSend)  # it ran to the end before returning
     assert held(server) == expected(params(7))
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=10_441))
+    pending = [sender.send(params(seed), wait=False) for seed in (7, 8)]
+    assert all(isinstance(p, PendingSend) for p in pending) and sender._staging
+    pending[1].result(timeout=20)
+    assert held(server) == expected(params(8))
 
 
 def test_verify_compares_vllms_checksums_on_every_worker_of_every_server():
