@@ -12,8 +12,15 @@ broadcasts are done, an asynchronous push's by the next asynchronous push.
 The same calls are the asynchronous push's snapshot (the copies it has to
 make anyway, already laid out for the wire), which runs before the
 trainer's next step, so its speed is the step's: written in place it beat
-concatenation (``chunk_packer``, which a chunk of one tensor still uses;
-docs/benchmarks.md, "Figures behind the design").
+concatenation (``chunk_packer``, which a chunk too large for int32 offsets
+still uses; docs/benchmarks.md, "Figures behind the design").
+
+Compiling those calls costs far more than running them, and more than
+linearly in their tensors: a chunk's call is compiled once per layout, its
+cost paid by the first push that packs it. So XLA packs a push only while
+its calls stay small and few (``packable``); a push of more tensors is
+packed by copies, and an asynchronous push of them is snapshot by
+``copies``, which compiles nothing per tensor.
 """
 
 from __future__ import annotations
@@ -24,15 +31,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import SingleDeviceSharding
 
 from .plan import Chunk, TensorMeta
 
 # Tensors per jitted chunk at most: compiling one call grows faster than
-# linearly with its inputs (docs/benchmarks.md, "Figures behind the
-# design"); a chunk of more tensors is packed by copies instead
-# (``Broadcaster.packed``).
+# linearly with its inputs; and tensors XLA packs in one push at most: each
+# costs tens of milliseconds of compiling, whatever its size
+# (docs/benchmarks.md, "Figures behind the design"). A push past either is
+# packed by copies instead (``Broadcaster.packed``).
 MAX_TENSORS = 256
+MAX_PACKED = 512
+# An asynchronous push's copies: arrays of one shape and dtype, this many at
+# a time, through one jitted call (compiled once per shape), for the few
+# shapes most arrays share; the rest one by one (``jax.device_put``).
+COPY_GROUP = 64
+GROUPED_SHAPES = 8
 
 Transform = Callable[[Any, Any], Any]
 
@@ -61,8 +77,71 @@ def as_units(x: jax.Array, unit: Any) -> jax.Array:
 
 
 def packable(chunks: Sequence[Chunk]) -> bool:
-    """Whether XLA packs these chunks (none has more than ``MAX_TENSORS`` tensors)."""
-    return all(c.stop - c.start <= MAX_TENSORS for c in chunks)
+    """Whether XLA packs these chunks: none has more than ``MAX_TENSORS``
+    tensors, and those of several tensors (each one jitted call) hold at most
+    ``MAX_PACKED`` in all. A chunk of one tensor is that tensor, compiled
+    into no call of its own."""
+    sizes = [c.stop - c.start for c in chunks]
+    return max(sizes, default=0) <= MAX_TENSORS and sum(n for n in sizes if n > 1) <= MAX_PACKED
+
+
+@jax.jit
+def _copy_all(xs: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.copy(x) for x in xs]
+
+
+@functools.cache
+def puts_copy(device: jax.Device) -> bool:
+    """Whether ``jax.device_put(x, may_alias=False)`` makes a buffer of its
+    own for an array already on ``device`` (a copy the runtime makes, which
+    an older one refused on the same device). Looked at once per device."""
+    x = jax.device_put(np.zeros(4, np.uint8), device)
+    try:
+        y = jax.device_put(x, may_alias=False)
+        return y.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    except RuntimeError:  # jaxlib's XlaRuntimeError: the runtime refused
+        return False
+
+
+def copies(arrays: Sequence[jax.Array], device: jax.Device) -> list[jax.Array]:
+    """A private copy of each array (one per distinct array: a leaf that
+    makes several tensors is copied once), dispatched, not waited for.
+
+    Why not one jitted call: compiling it grows faster than linearly with
+    its arrays (minutes and gigabytes for 20,000). Here nothing is compiled
+    per array: the ``GROUPED_SHAPES`` shapes (and dtypes) most arrays share
+    are copied ``COPY_GROUP`` at a time by one small jitted call, compiled
+    once per shape; every other array by ``jax.device_put`` (a copy XLA's
+    runtime makes without compiling; where it would not, ``puts_copy``, by
+    a jitted copy each, compiled once per shape). Both run after what
+    computes the arrays and before any later call that donates them, as any
+    XLA work on an array does. A copy is committed to its device exactly
+    when its array is, so a jitted call compiled for the copies runs the
+    arrays as well.
+
+    Args:
+        arrays: JAX arrays on ``device`` alone.
+        device: where they are.
+
+    Returns:
+        The copies, in the order of ``arrays``.
+    """
+    distinct = list({id(a): a for a in arrays}.values())
+    by_shape: dict[Any, list[jax.Array]] = {}
+    for a in distinct:  # committed or not too: XLA packs a copy as it packs the array
+        by_shape.setdefault((a.aval, a.committed), []).append(a)
+    common = sorted(by_shape.values(), key=len, reverse=True)[:GROUPED_SHAPES]
+    made: dict[int, jax.Array] = {}
+    for same in common:
+        for s in range(0, len(same) - COPY_GROUP + 1, COPY_GROUP):
+            group = same[s:s + COPY_GROUP]
+            made.update(zip(map(id, group), _copy_all(group)))
+    rest = [a for a in distinct if id(a) not in made]
+    if rest and puts_copy(device):
+        made.update(zip(map(id, rest), jax.device_put(rest, may_alias=False)))
+    elif rest:
+        made.update((id(a), _copy_all([a])[0]) for a in rest)
+    return [made[id(a)] for a in arrays]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -134,6 +213,24 @@ def write_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
         buffer = jnp.zeros((words,), unit, device=device)
     write = chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets)
     return write(buffer, list(arrays[span]))
+
+
+def compile_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],
+                  arrays: Sequence[jax.Array], transform: Transform, device: jax.Device) -> None:
+    """Compile, without running it, the call ``write_chunk`` makes for
+    ``chunk`` of these arrays (or arrays of the same shapes, dtypes and
+    placement), and the fill of a fresh buffer for it: a push compiles its
+    chunks' calls before the workers wait for its broadcasts."""
+    span = slice(chunk.start, chunk.stop)
+    xs = list(arrays[span])
+    if not writable(chunk, metas):
+        chunk_packer(tuple(paths[span]), transform, tuple(metas[span])).lower(xs).compile()
+        return
+    unit, words = _words(chunk, metas)
+    jnp.zeros((words,), unit, device=device)  # one buffer, dropped: its fill is compiled
+    buffer = jax.ShapeDtypeStruct((words,), unit, sharding=SingleDeviceSharding(device))
+    chunk_writer(tuple(paths[span]), transform, tuple(metas[span]), chunk.offsets).lower(
+        buffer, xs).compile()
 
 
 def pack_chunk(chunk: Chunk, metas: Sequence[TensorMeta], paths: Sequence[Any],

@@ -12,6 +12,11 @@ How the trainer takes part is a *route*: ``SingleProcess`` (one trainer
 process sends everything) or ``ProcessGroup`` (several, see ``group.py``).
 ``send(wait=False)`` snapshots what it sends (XLA copies, dispatched before
 it returns) and runs the push in the background, while the trainer trains.
+The snapshot compiles nothing per tensor on the trainer's thread: the
+packed chunks themselves once an earlier push compiled their calls
+(``packing.py``), else copies of the arrays, from which the push packs on
+its own thread as a blocking push would (compiling the chunks' calls there
+first, before any ``/update_weights``: the next push snapshots with them).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nccl_cffi import Deadline
@@ -49,7 +53,7 @@ from .feeds import Copies, Produced, Received, Tensors
 from .fleet import DroppedServer, fleet_of
 from .group import Share, TrainerGroup, join_gathers, share_from_process_0
 from .naming import Mapping, identity
-from .packing import packable, writable, write_chunk
+from .packing import compile_chunk, copies, packable, writable, write_chunk
 from .plan import LoadPlan, TensorMeta, check_against
 from .push import Feed, PreparedPush, Round
 from .routes import ProcessGroup, Route, SingleProcess, usable_device
@@ -110,11 +114,21 @@ def check_push(weight_version: Any, pause: Any, metadata: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Snapshot:
-    """An asynchronous push's private copies: one per chunk of its turn
-    (``chunks``, packed by XLA), or one per tensor."""
+    """An asynchronous push's private copies of ``turn``, dispatched before
+    ``send`` returns: chunk ``k`` packed by XLA (``chunks``), and a copy of
+    the source array of every tensor in no such chunk (``sources``: the
+    caller's paths; None where a tensor is in ``chunks``). ``by_xla``: the
+    push's chunks are XLA's (``chunks``, or made from ``sources`` on the
+    push's thread), not copies into staging slots."""
 
-    arrays: list[jax.Array]
-    chunks: bool
+    turn: TurnUpdate
+    chunks: dict[int, jax.Array]
+    sources: Sources
+    by_xla: bool
+
+    def arrays(self) -> list[jax.Array]:
+        """Every array the snapshot holds."""
+        return [*self.chunks.values(), *(a for a in self.sources.arrays if a is not None)]
 
 
 class WeightSender:
@@ -144,6 +158,8 @@ class WeightSender:
         # The last asynchronous push's chunk buffers, by chunk: the next one writes
         # into them again (donated), once that push is over.
         self._staging: dict[int, jax.Array] = {}
+        # The metadata whose chunks' jitted calls every one ran once (compiled).
+        self._compiled: list[TensorMeta] | None = None
         session.on_reset.append(self._drop_staging)
 
     @classmethod
@@ -243,8 +259,9 @@ class WeightSender:
                 go on: the push snapshots what it sends (XLA copies,
                 dispatched before this returns, so a later step that donates
                 the parameters cannot change them) and runs in the
-                background. Single-process senders only; a push larger than
-                ``config.staging_bytes`` runs blocking instead.
+                background. Nothing is compiled per tensor before it
+                returns. Single-process senders only; a push whose snapshot
+                would exceed ``config.staging_bytes`` runs blocking instead.
 
         Returns:
             The push's ``SendStats``, or its ``PendingSend``.
@@ -285,8 +302,9 @@ class WeightSender:
         push.rounds = [self._round(t, feed) for t in turns]
         push.stats.prepare_s = time.perf_counter() - t0
         if snapshot is None and not wait:
-            log.info("send(wait=False): %d B exceed staging_bytes=%s (or need gathering); "
-                     "pushing blocking", push.stats.bytes, self.session.config.staging_bytes)
+            log.info("send(wait=False): a snapshot of %d B of tensors exceeds staging_bytes="
+                     "%s (or they need gathering); pushing blocking", push.stats.bytes,
+                     self.session.config.staging_bytes)
         return self.session.run(ticket, push, background=snapshot is not None, t0=t0)
 
     def _turns_of(self, metas: list[TensorMeta], sources: Sources) -> list[TurnUpdate]:
@@ -336,22 +354,21 @@ class WeightSender:
                ) -> tuple[Callable[[TurnUpdate], Feed], Callable[[], None] | None]:
         """How this push produces its chunks, chosen once: a turn's feed, and
         the wait for the arrays it reads to be computed (None: none needed)."""
-        packed = self.session.info.packed
         if snapshot is not None:
-            arrays = snapshot.arrays
-            ready = functools.partial(jax.block_until_ready, arrays)
-            if snapshot.chunks:
-                return lambda t: Produced(chunks=t.chunks, make=lambda k, _: arrays[k],
-                                          root=t.turn.src), ready
-            get, temporaries = arrays.__getitem__, False
-        else:
-            # Arrays this process holds are waited for before any /update_weights,
-            # with or without a transform; others (host data, gathers) are got on the lane.
-            local = on_device(sources, self.device)
-            ready = readiness(sources) if local or addressable(sources) else None
-            if packed and local and self.mapping.transform is not identity:
-                return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
-            get, temporaries = self._place.getter(metas, sources)
+            return self._snapshot_feeds(metas, snapshot)
+        # Arrays this process holds are waited for before any /update_weights,
+        # with or without a transform; others (host data, gathers) are got on the lane.
+        local = on_device(sources, self.device)
+        ready = readiness(sources) if local or addressable(sources) else None
+        if self.session.info.packed and local and self.mapping.transform is not identity:
+            return lambda t: self._xla_or_copies(t, metas, sources), ready  # XLA packs
+        return self._by_tensor(*self._place.getter(metas, sources)), ready
+
+    def _by_tensor(self, get: Callable[[int], jax.Array], temporaries: bool
+                   ) -> Callable[[TurnUpdate], Feed]:
+        """A turn's feed from its tensors ``get(i)``: copied into staging
+        slots (packed), or one broadcast each."""
+        packed = self.session.info.packed
 
         def feed(t: TurnUpdate) -> Feed:
             mine = t.turn.params
@@ -360,7 +377,22 @@ class WeightSender:
                 return Copies(metas=t.metas, chunks=t.chunks, get=at, root=t.turn.src,
                               temporaries=temporaries)
             return Tensors(metas=t.metas, get=at, root=t.turn.src)
-        return feed, ready
+        return feed
+
+    def _snapshot_feeds(self, metas: list[TensorMeta], snapshot: _Snapshot
+                        ) -> tuple[Callable[[TurnUpdate], Feed], Callable[[], None]]:
+        """``_feeds`` for a push from ``snapshot``: its chunks broadcast, or
+        made from its copies as a blocking push makes them (those of a push
+        that packs by XLA, with their calls compiled first). Each called
+        once, and forgotten as it is called (``_once``)."""
+        ready = functools.partial(jax.block_until_ready, snapshot.arrays())
+        if snapshot.by_xla and not snapshot.chunks:  # its chunks' calls compile first
+            ready = functools.partial(self._compile_then_wait, metas, snapshot)
+        if snapshot.by_xla:
+            feed = lambda t: self._from_snapshot(t, metas, snapshot)  # noqa: E731
+        else:
+            feed = self._by_tensor(*self._place.getter(metas, snapshot.sources))
+        return lambda t: _once(feed(t)), _once(ready)
 
     def _xla_or_copies(self, t: TurnUpdate, metas: list[TensorMeta], sources: Sources) -> Feed:
         if packable(t.chunks):
@@ -382,48 +414,96 @@ class WeightSender:
         """Private copies of what the push sends, dispatched now, in the
         caller's thread: XLA runs them before anything the trainer dispatches
         next, so a step that donates (and overwrites) the parameters cannot
-        change the bytes in flight. Packed, the copies are the chunks
-        themselves, so the push only broadcasts. None when they would not
-        fit ``config.staging_bytes`` or the sources need gathering."""
-        bound = self.session.config.staging_bytes
-        if ((bound is not None and sum(m.nbytes for m in metas) > bound)
-                or not on_device(sources, self.device)):
+        change the bytes in flight. Where an earlier push compiled this
+        layout's chunk calls, the copies are those chunks themselves (the
+        push only broadcasts them); every other tensor's source array is
+        copied (``packing.copies``: nothing compiled per tensor), and the
+        push makes its bytes from the copy. None when they would not fit
+        ``config.staging_bytes`` or the sources need gathering."""
+        if not on_device(sources, self.device):
             return None
-        if self.session.info.packed and packable(turn.chunks):
-            return _Snapshot(arrays=self._write_chunks(turn, metas, sources), chunks=True)
-        # The copies are what ``describe`` traced (the same transform, jitted), so
-        # their metadata needs no check: the trainer waits for this call alone.
-        return _Snapshot(arrays=_copier(tuple(sources.paths), self.mapping.apply)(
-            unmeshed(sources.arrays, self.device)), chunks=False)
+        by_xla = self.session.info.packed and packable(turn.chunks)
+        compiled = by_xla and self._compiled is metas
+        in_chunks = [k for k, c in enumerate(turn.chunks) if compiled and not c.single]
+        taken = {j for k in in_chunks for j in range(turn.chunks[k].start, turn.chunks[k].stop)}
+        copied = [i for j, i in enumerate(turn.turn.params) if j not in taken]
+        bound = self.session.config.staging_bytes
+        if bound is not None and bound < (
+                sum(turn.chunks[k].nbytes for k in in_chunks)
+                + sum({id(a): a.nbytes for a in (sources.arrays[i] for i in copied)}.values())):
+            return None
+        if not compiled:
+            self._staging = {}  # another layout's buffers: free them before copying
+        arrays: list[Any] = [None] * len(sources)
+        made = copies(unmeshed([sources.arrays[i] for i in copied], self.device), self.device)
+        for i, a in zip(copied, made):
+            arrays[i] = a
+        return _Snapshot(turn=turn, chunks=self._write_chunks(turn, metas, sources, in_chunks),
+                         sources=Sources(sources.paths, arrays, local=True), by_xla=by_xla)
 
-    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta],
-                      sources: Sources) -> list[jax.Array]:
-        """Every chunk of ``turn``, dispatched, each written into the buffer
-        the last asynchronous push used for it (donated, so nothing is
+    def _write_chunks(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources,
+                      which: list[int]) -> dict[int, jax.Array]:
+        """Chunks ``which`` of ``turn``, dispatched, each written into the
+        buffer the last asynchronous push used for it (donated, so nothing is
         allocated). Called only once that push is over: its broadcasts read
         those buffers."""
-        make = self._packs(turn, metas, sources, copy=True)
+        if not which:
+            return {}
+        make = self._packs(turn, metas, sources)
         kept, self._staging = self._staging, {}  # a buffer once donated is gone
-        out = [make(k, kept.get(k)) for k in range(len(turn.chunks))]
-        self._staging = {k: a for k, (c, a) in enumerate(zip(turn.chunks, out))
-                         if writable(c, turn.metas)}
+        out = {k: make(k, kept.get(k)) for k in which}
+        self._staging = {k: a for k, a in out.items() if writable(turn.chunks[k], turn.metas)}
         return out
 
-    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources, *,
-               copy: bool = False) -> Callable[[int, jax.Array | None], jax.Array]:
+    def _compile_then_wait(self, metas: list[TensorMeta], snapshot: _Snapshot) -> None:
+        """The readiness step of a push that packs its copies by XLA, on a
+        thread of its own beside ``/start_weight_update``: compile every
+        chunk's call for the copies (so no worker waits in NCCL while one
+        compiles, and the next push snapshots with them), then wait for the
+        copies."""
+        turn, copied = snapshot.turn, snapshot.sources
+        paths = [copied.paths[i] for i in turn.turn.params]
+        arrays = [copied.arrays[i] for i in turn.turn.params]
+        for c in turn.chunks:
+            if not c.single:
+                compile_chunk(c, turn.metas, paths, arrays, self.mapping.apply, self.device)
+        self._compiled = metas
+        jax.block_until_ready(snapshot.arrays())
+
+    def _from_snapshot(self, turn: TurnUpdate, metas: list[TensorMeta],
+                       snapshot: _Snapshot) -> Produced:
+        """``turn``'s chunks from ``snapshot``: its chunk ``k``, or a single
+        tensor made from its copy; with no chunks, every chunk made from the
+        copies as a blocking push makes it. A chunk of the snapshot is kept
+        for the next push, never handed on as a spare."""
+        chunks, copied, params = snapshot.chunks, snapshot.sources, turn.turn.params
+        make = self._packs(turn, metas, copied) if not chunks else (
+            lambda k, _: chunks[k] if k in chunks
+            else self._place.checked(metas, copied, params[turn.chunks[k].start]))
+        return Produced(chunks=turn.chunks, make=make, root=turn.turn.src)
+
+    def _packs(self, turn: TurnUpdate, metas: list[TensorMeta], sources: Sources
+               ) -> Callable[[int, jax.Array | None], jax.Array]:
         """``make(k, spare)``: chunk ``k`` of ``turn`` packed by XLA, dispatched,
         written into ``spare`` when it fits (``packing.write_chunk``). A chunk
-        of one tensor is the transform's output itself, unless ``copy`` (a
-        snapshot must not share the caller's arrays)."""
-        paths = [sources.paths[i] for i in turn.turn.params]
-        arrays = unmeshed([sources.arrays[i] for i in turn.turn.params], self.device)
+        of one tensor is the transform's output itself. Once every chunk of
+        several tensors was made, their calls are compiled: the next
+        asynchronous push of this metadata snapshots them."""
+        params = turn.turn.params
+        paths = [sources.paths[i] for i in params]
+        arrays = unmeshed([sources.arrays[i] for i in params], self.device)
         transform = self.mapping.apply
+        left = {k for k, c in enumerate(turn.chunks) if not c.single}
 
         def make(k: int, spare: jax.Array | None) -> jax.Array:
             c = turn.chunks[k]
-            if c.single and not copy:  # broadcast from the transform's output
-                return self._place.checked(metas, sources, turn.turn.params[c.start])
-            return write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
+            if c.single:  # broadcast from the transform's output
+                return self._place.checked(metas, sources, params[c.start])
+            out = write_chunk(c, turn.metas, paths, arrays, transform, self.device, spare)
+            left.discard(k)
+            if not left:
+                self._compiled = metas
+            return out
         return make
 
     def _drop_staging(self, aborted: bool) -> None:
@@ -571,6 +651,16 @@ class WeightSender:
         self.close()
 
 
+def _once(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` for one call, forgotten as it is made: what it holds (an
+    asynchronous push's copies) is freed on the thread that calls it, before
+    that thread reports back, not later by whichever thread drops the push
+    last. Why: a JAX array freed on a daemon thread while the interpreter
+    exits aborts the process ("FATAL: exception not rethrown")."""
+    box = [fn]
+    return lambda *args: box.pop()(*args)
+
+
 def open_session(route: Route, config: SendConfig, device: jax.Device) -> Session:
     """Form ``route``'s group (within ``config.init_timeout_s``) and hold it in
     a session whose broadcasts go through NCCL from ``device``; the HTTP
@@ -584,11 +674,3 @@ def open_session(route: Route, config: SendConfig, device: jax.Device) -> Sessio
     return Session(route, connection, config, broadcaster=lambda conn: Broadcaster(
         conn.comm, device, conn.init_info.packed_buffer_size_bytes,
         conn.init_info.packed_num_buffers))
-
-
-@functools.lru_cache(maxsize=4)
-def _copier(paths: tuple[Any, ...], transform: Callable[[Any, Any], Any]
-            ) -> Callable[[list[jax.Array]], list[jax.Array]]:
-    """One jitted function that transforms and copies every array of a tree
-    with these paths (compiled once per structure and shapes)."""
-    return jax.jit(lambda xs: [jnp.copy(transform(p, x)) for p, x in zip(paths, xs)])

@@ -66,6 +66,11 @@ def test_asynchronous_push_survives_a_donating_step():
         print(run("async_donation", url, timeout=300))
 
 
+def test_asynchronous_push_of_many_tensors_survives_a_donating_step():
+    with ReferenceServer(["1"]) as url:
+        print(run("async_many", url, timeout=300))
+
+
 @pytest.mark.gpu4
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
 def test_send_to_three_receivers(mode):

@@ -1,12 +1,23 @@
-"""XLA's packing of a chunk: words that hold exactly the bytes vLLM's consumer reads."""
+"""XLA's packing of a chunk: words that hold exactly the bytes vLLM's consumer
+reads; which pushes XLA packs; an asynchronous push's copies."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_sender._src import packing
 from jax_sender._src.naming import identity
-from jax_sender._src.packing import as_units, chunk_packer, pack_chunk, unit_of, writable, write_chunk
+from jax_sender._src.packing import (
+    as_units,
+    chunk_packer,
+    copies,
+    pack_chunk,
+    packable,
+    unit_of,
+    writable,
+    write_chunk,
+)
 from jax_sender._src.plan import Chunk, TensorMeta, plan_chunks
 
 DTYPES = ["int8", "uint8", "int32", "float16", "float32", "bfloat16", "float8_e4m3fn"]
@@ -89,3 +100,76 @@ def test_only_chunks_of_several_tensors_with_int32_word_offsets_are_written_in_p
     assert writable(Chunk(start=0, stop=2, nbytes=32, offsets=(0, 16)), [one, one])
     huge = [TensorMeta("a", "int8", (2**31,)), TensorMeta("b", "int8", (1,))]
     assert not writable(Chunk(start=0, stop=2, nbytes=2**31 + 1, offsets=(0, 2**31)), huge)
+
+
+def test_xla_packs_a_push_only_while_its_calls_are_small_and_few():
+    """Compiling a chunk's call costs tens of milliseconds a tensor (more
+    than linearly in its tensors): at most ``MAX_TENSORS`` a chunk and
+    ``MAX_PACKED`` in all; chunks of one tensor compile no call of their own."""
+    def chunks(*sizes: int) -> list[Chunk]:
+        out, at = [], 0
+        for n in sizes:
+            out.append(Chunk(start=at, stop=at + n, nbytes=4 * n, offsets=tuple(range(0, 4 * n, 4))))
+            at += n
+        return out
+
+    assert packable(chunks(256, 256)) and packable(chunks(91)) and packable(chunks(*[25] * 20))
+    assert not packable(chunks(257))
+    assert not packable(chunks(256, 256, 2))
+    assert packable(chunks(*[1] * 20_000, 256))
+    assert packable([])
+
+
+@pytest.mark.parametrize("runtime_copies", [True, False])
+def test_copies_are_private_in_order_and_one_per_distinct_array(runtime_copies, monkeypatch):
+    """Each copy holds its array's bytes in a buffer of its own (a later step
+    may donate the array), in the caller's order; an array given twice (a
+    leaf that makes several tensors) is copied once; a copy is committed to
+    its device exactly when its array is (so a call compiled for the copies
+    runs the arrays too). Arrays of one shape go ``COPY_GROUP`` at a time;
+    the rest through ``jax.device_put``, or, where the runtime would not
+    copy on the same device, a jitted copy each."""
+    monkeypatch.setattr(packing, "COPY_GROUP", 2)
+    monkeypatch.setattr(packing, "puts_copy", lambda device: runtime_copies)
+    same = [jnp.full((3, 2), i, jnp.float32) for i in range(5)]
+    others = [sample(d, (4,), i) for i, d in enumerate(DTYPES)]
+    device = jax.devices()[0]
+    pinned = jax.device_put(jnp.arange(6.0).reshape(3, 2), device)
+    arrays = [*same, *others, same[1], pinned]
+    out = copies(arrays, device)
+    assert [np.asarray(c).tobytes() for c in out] == [np.asarray(a).tobytes() for a in arrays]
+    assert [(c.shape, c.dtype) for c in out] == [(a.shape, a.dtype) for a in arrays]
+    theirs = {a.unsafe_buffer_pointer() for a in arrays}
+    assert not theirs & {c.unsafe_buffer_pointer() for c in out}
+    assert len({c.unsafe_buffer_pointer() for c in out}) == len(arrays) - 1
+    assert out[len(same) + len(others)] is out[1]
+    assert [c.committed for c in out] == [a.committed for a in arrays] and pinned.committed
+
+
+def test_jax_device_put_copies_on_the_same_cpu_device():
+    """What ``copies`` counts on here: jaxlib's runtime copies an array
+    already on the device when asked not to alias it."""
+    assert packing.puts_copy(jax.devices()[0])
+
+
+def test_copies_compile_nothing_per_array():
+    """One jitted call per shape many arrays share (compiled once), none for
+    the rest: 300 arrays of 300 shapes and 200 of one shape, no more than one
+    compilation (none once that shape's call exists)."""
+    compiled = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    arrays = [jax.device_put(np.full(i + 1, i, np.float32)) for i in range(300)]  # no compiling
+    arrays += [jax.device_put(np.full((7, 5), i, jnp.bfloat16)) for i in range(200)]
+    jax.block_until_ready(arrays)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        first = copies(arrays, jax.devices()[0])
+        again = copies(arrays, jax.devices()[0])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(compiled) <= 1, compiled
+    assert np.asarray(again[-1]).tobytes() == np.asarray(first[-1]).tobytes()

@@ -4,8 +4,12 @@ The transport is in memory (``support.memory_link``) and the servers are an
 independent rendition of vLLM's (``support.memory_server``); everything
 else is the library's own. Failures: ``test_failures.py``."""
 
+import json
+import os
+import subprocess
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ from jax_sender import (
     describe,
 )
 
+from support import ROOT, child
 from support.concurrency import together, wait_for
 from support.memory_link import memory_sender
 from support.pushes import (
@@ -215,8 +220,11 @@ def test_xla_packs_transformed_chunks_bit_exact_in_every_dtype(wait):
     assert server.store["a.w"].shape == (40, 24)  # (out, in), as torch's Linear holds it
 
 
-def test_chunks_of_too_many_tensors_are_packed_by_copies(monkeypatch):
-    monkeypatch.setattr("jax_sender._src.packing.MAX_TENSORS", 2)
+@pytest.mark.parametrize("bound, value", [("MAX_TENSORS", 2), ("MAX_PACKED", 3)])
+def test_chunks_of_too_many_tensors_are_packed_by_copies(bound, value, monkeypatch):
+    """Past ``MAX_TENSORS`` tensors a chunk, or ``MAX_PACKED`` in a push's
+    chunks of several, XLA's calls would cost more to compile than the push."""
+    monkeypatch.setattr(f"jax_sender._src.packing.{bound}", value)
     sender, (server,), caster = memory_sender(SMALL, mapping=Mapping(transform=torch_layout))
     sender.send(every_dtype(2))
     sender.send(every_dtype(3), wait=False).result(timeout=20)
@@ -225,20 +233,129 @@ def test_chunks_of_too_many_tensors_are_packed_by_copies(monkeypatch):
 
 
 def test_asynchronous_pushes_write_their_chunks_into_the_same_buffers():
-    """Each asynchronous push writes its chunks of several tensors in place
-    into the buffers the push before it used (donated, not reallocated), and
-    still carries its own bytes; another layout gets buffers of its own."""
+    """The first asynchronous push of a layout copies its arrays (its chunks'
+    calls compile on the push's thread); each one after writes its chunks of
+    several tensors in place into the buffers the push before it used
+    (donated, not reallocated), and still carries its own bytes; another
+    layout frees them, and gets buffers of its own from its second push."""
     sender, (server,), _ = memory_sender(SMALL)
     pointers = []
-    for seed in (1, 2, 3):
+    for seed in (1, 2, 3, 4):
         sender.send(params(seed), wait=False).result(timeout=20)
         assert held(server) == expected(params(seed))
         pointers.append({k: a.unsafe_buffer_pointer() for k, a in sender._staging.items()})
-    assert pointers[0] and pointers[0] == pointers[1] == pointers[2]
+    assert pointers[0] == {} and pointers[1] and pointers[1] == pointers[2] == pointers[3]
     other = {"layer": {"w": jnp.ones((30, 30), jnp.float32), "b": jnp.arange(9, dtype=jnp.int8)}}
-    sender.send(other, wait=False).result(timeout=20)
-    assert held(server)["layer.w"] == expected(other)["layer.w"]
-    assert [a.nbytes for a in sender._staging.values()] == [3600 + 9]
+    staged = []
+    for _ in range(2):
+        sender.send(other, wait=False).result(timeout=20)
+        assert held(server)["layer.w"] == expected(other)["layer.w"]
+        staged.append([a.nbytes for a in sender._staging.values()])
+    assert staged == [[], [3600 + 9]]
+
+
+@pytest.mark.parametrize("transform", [None, torch_layout])
+@pytest.mark.parametrize("way", ["xla", "copies", "grouped copies"])
+def test_the_first_asynchronous_push_of_a_layout_survives_donation(way, transform, monkeypatch):
+    """The first asynchronous push of a layout has no compiled chunk calls to
+    snapshot with: it copies the arrays (no compiling on the trainer's
+    thread), then packs the copies on its own thread, by XLA (compiling its
+    calls there, for the next push), or, past ``MAX_PACKED`` tensors, by
+    copies (``grouped``: arrays of one shape copied by one jitted call). The
+    step right after donates and overwrites the parameters: the push still
+    delivers them as they were."""
+    if way != "xla":
+        monkeypatch.setattr("jax_sender._src.packing.MAX_PACKED", 3)
+    if way == "grouped copies":
+        monkeypatch.setattr("jax_sender._src.packing.COPY_GROUP", 2)
+    mapping = Mapping() if transform is None else Mapping(transform=transform)
+    sender, (server,), caster = memory_sender(SMALL, mapping=mapping, delay_s=0.02)
+    p = dict(params(4), same=[jnp.full((6, 4), i, jnp.float32) for i in range(5)])
+    want = expected(p, transform)
+    pending = sender.send(p, wait=False)
+    assert isinstance(pending, PendingSend) and sender._staging == {}
+    p = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 0 + 1, t), donate_argnums=0)(p)
+    jax.block_until_ready(p)
+    pending.result(timeout=20)
+    assert held(server) == want and caster.passes == ["xla" if way == "xla" else "copies"]
+
+
+def test_the_first_asynchronous_push_compiles_before_any_worker_waits_for_it():
+    """Its chunks' calls compile on the push's own thread (the trainer has
+    gone on), before its ``/update_weights``: no worker waits in NCCL while
+    XLA compiles. The second push snapshots with those calls."""
+    compiled: list[float] = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(time.monotonic())
+
+    sender, (server,), caster = memory_sender(SMALL)
+    p, then = {"probe": params(5)}, {"probe": params(6)}  # names no other test compiled
+    jax.block_until_ready((p, then))
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        sender.send(p, wait=False).result(timeout=20)
+        first = len(compiled)
+        sender.send(then, wait=False).result(timeout=20)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    (update, _) = calls(server, "/update_weights")
+    assert compiled and all(t < update.arrived for t in compiled)
+    assert len(compiled) == first and held(server) == expected(then)
+    assert caster.passes == ["xla", "xla"] and sender._staging
+
+
+@pytest.mark.parametrize("way", ["xla", "copies", "unpacked"])
+def test_a_finished_asynchronous_push_holds_none_of_its_copies(way, monkeypatch):
+    """The push forgets its snapshot's copies as its threads finish with
+    them, before they report: a copy freed later, by whichever daemon thread
+    drops the push last, may be freed while the interpreter exits, which
+    aborts the process ("FATAL: exception not rethrown"). The push object
+    itself is kept here: its copies are gone all the same."""
+    from jax_sender._src import packing
+    if way == "copies":
+        monkeypatch.setattr("jax_sender._src.packing.MAX_PACKED", 3)
+    made: list = []
+
+    def recording(arrays, device):
+        out = packing.copies(arrays, device)
+        made.extend(weakref.ref(a) for a in out)
+        return out
+
+    monkeypatch.setattr("jax_sender._src.sender.copies", recording)
+    sender, (server,), caster = memory_sender(SendConfig(packed=way != "unpacked",
+                                                         buffer_size_bytes=4096))
+    kept, run = [], sender.session.run
+
+    def keeping(ticket, push, **kwargs):
+        kept.append(push)
+        return run(ticket, push, **kwargs)
+
+    monkeypatch.setattr(sender.session, "run", keeping)
+    sender.send(params(1), wait=False).result(timeout=20)
+    assert held(server) == expected(params(1)) and kept and made
+    assert wait_for(lambda: all(r() is None for r in made), 5), caster.passes
+
+
+@pytest.mark.parametrize("tensors, nbytes, chunks", [(2000, 65536, 16), (20_000, 16, 1)])
+def test_the_first_asynchronous_push_of_many_tensors_holds_the_trainer_briefly(
+        tensors, nbytes, chunks):
+    """Its snapshot compiles nothing per tensor on the trainer's thread (one
+    jitted call per chunk took 95 s for the 2,000 tensors, against 0.75 s
+    for a blocking push, and minutes and gigabytes for the 20,000): it
+    returns within a small multiple of a blocking push of the same tree, and
+    adds to the process's memory no more than docs/pushing.md says (one copy
+    of the arrays, 8 KiB a tensor), beyond what the blocking push adds. In a
+    child process, so that nothing compiled or allocated before counts."""
+    argv, env = child("first_push", str(tensors), str(nbytes), str(chunks), env=dict(os.environ))
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    first, blocking = got["async"], got["blocking"]
+    assert first["chunks"] == blocking["chunks"] == chunks
+    assert first["returned_s"] <= 3 * blocking["returned_s"] + 2, got
+    assert first["added_rss"] <= blocking["added_rss"] + got["bytes"] + 8192 * tensors + (64 << 20), got
 
 
 def test_an_unpacked_asynchronous_push_sends_its_per_tensor_snapshot():
@@ -302,10 +419,17 @@ def test_a_push_talks_http_on_the_http_loop_and_broadcasts_on_the_nccl_thread():
 
 
 def test_staging_bound_too_small_falls_back_to_a_blocking_push():
-    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=100))
+    """The bound is the snapshot's: a first push's copies of the arrays
+    (10,441 bytes here), a later one's chunks and copies (as many)."""
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=10_440))
     stats = sender.send(params(7), wait=False)
     assert not isinstance(stats, PendingSend)  # it ran to the end before returning
     assert held(server) == expected(params(7))
+    sender, (server,), _ = memory_sender(SendConfig(buffer_size_bytes=4096, staging_bytes=10_441))
+    pending = [sender.send(params(seed), wait=False) for seed in (7, 8)]
+    assert all(isinstance(p, PendingSend) for p in pending) and sender._staging
+    pending[1].result(timeout=20)
+    assert held(server) == expected(params(8))
 
 
 def test_verify_compares_vllms_checksums_on_every_worker_of_every_server():

@@ -250,6 +250,49 @@ def async_donation(url: str) -> None:
               f"{stats.total_s * 1e3:.1f} ms")
 
 
+def async_many(url: str) -> None:
+    """The first ``send(wait=False)`` of 2,000 tensors (more than XLA packs:
+    the arrays are copied, 1,800 of one shape by a jitted copy 64 at a
+    time, 200 of ten shapes by ``jax.device_put``), then at once a step that
+    donates and overwrites every array: the push is bit-exact, and it
+    returned within a small multiple of a blocking push of the same tree.
+    Twice, the second push snapshotting the same way."""
+    import jax
+    import numpy as np
+
+    from jax_sender import PendingSend, WeightSender
+    rng = np.random.default_rng(0)
+    shapes = [(64, 128)] * 1800 + [(i + 1, 24) for i in range(10)] * 20
+    donate = jax.jit(lambda x: x * 0 + 7, donate_argnums=0)  # one compile per shape
+    sender = WeightSender.connect(url)
+    held = []
+    for i in range(2):
+        pairs = [(f"t.{j}", jax.device_put(rng.standard_normal(shape, np.float32)))
+                 for j, shape in enumerate(shapes)]  # from the host: nothing compiled per shape
+        want = _checksums(pairs, 1)
+        t = time.perf_counter()
+        pending = sender.send(pairs, weight_version=f"v{i}", wait=False)
+        held.append(time.perf_counter() - t)
+        assert isinstance(pending, PendingSend), pending
+        arrays = [donate(a) for _, a in pairs]
+        assert all(a.is_deleted() for _, a in pairs)
+        jax.block_until_ready(arrays)
+        stats = pending.result(timeout=120)
+        ans = sender.session.clients[0].weight_checker("compare", baseline=want)
+        assert ans["match"], (i, ans["mismatches"][:5])
+        del pairs, arrays
+    pairs = [(f"t.{j}", jax.device_put(rng.standard_normal(shape, np.float32)))
+             for j, shape in enumerate(shapes)]
+    t = time.perf_counter()
+    sender.send(pairs)
+    blocking = time.perf_counter() - t
+    assert held[0] <= 3 * blocking + 2, (held, blocking)
+    sender.close()
+    print(f"OK 2,000 tensors: send(wait=False) then a donating step, bit-exact twice; they "
+          f"returned after {held[0] * 1e3:.1f} and {held[1] * 1e3:.1f} ms (a blocking push: "
+          f"{blocking * 1e3:.1f} ms), the second push took {stats.total_s * 1e3:.1f} ms")
+
+
 def vllm_refused(url: str) -> None:
     """vLLM 0.33.0 refuses a key it does not know while we sit in ncclCommInitRank."""
     from uniqueid import RendezvousError, connect
