@@ -146,7 +146,6 @@ def _toy_model(rank: int, tp: int, device: str) -> Any:
     """The table above, on this worker's GPU, each parameter its shard."""
     import torch
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     def owner(cls: type) -> Any:
         layer = cls.__new__(cls)
@@ -170,7 +169,7 @@ def _toy_model(rank: int, tp: int, device: str) -> Any:
             param.input_dim = 1
             param.weight_loader = owner(RowParallelLinear).weight_loader
         else:
-            param.weight_loader = default_weight_loader
+            param.weight_loader = _default_weight_loader
         if loader.startswith("wrapped"):  # vLLM cannot see through a wrapper: fallback
             param.weight_loader = functools.partial(param.weight_loader)
         _attach(model, name, param)
@@ -183,6 +182,26 @@ def _toy_model(rank: int, tp: int, device: str) -> Any:
 
     model.load_weights = load_weights
     return model
+
+
+def _default_weight_loader(param: Any, loaded: Any) -> None:
+    """vLLM's ``default_weight_loader`` (a shape check, then ``copy_``): its
+    module's package pulls in the attention kernels, which need compiled CUDA."""
+    assert param.size() == loaded.size(), (
+        f"Attempted to load weight ({loaded.size()}) into parameter ({param.size()})")
+    param.data.copy_(loaded)
+
+
+def _module_alone(name: str) -> Any:
+    """Import one vLLM module without its package's ``__init__`` (which, on a
+    GPU machine, imports the attention kernels that this tree leaves out)."""
+    import vllm
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def _attach(model: Any, name: str, param: Any) -> None:
@@ -230,10 +249,8 @@ def _worker(rank: int, tp: int, opts: dict[str, Any], env: dict[str, str], conn:
     if opts["plane"]:  # a stand-in data plane (tests on CPU): MODULE:ARGUMENT
         module, _, argument = opts["plane"].partition(":")
         importlib.import_module(module).install(argument)
-    from vllm.model_executor.model_loader.weight_checksum import (
-        compute_tensor_digests,
-        zero_weights,
-    )
+    checksum = _module_alone("vllm.model_executor.model_loader.weight_checksum")
+    compute_tensor_digests, zero_weights = checksum.compute_tensor_digests, checksum.zero_weights
     engine, model = _engine(rank, tp, device)
     prefix = f"dp0:pp0:pcp0:tp{rank}:"
 

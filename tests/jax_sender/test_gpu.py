@@ -245,7 +245,7 @@ def test_m2n_into_vllms_m2n_engine(tmp_path):
 # -- the server outlives the trainer's mistakes (vLLM 0.33.0's real engine) ----
 
 RECOVERY = ["wrong_device", "bad_version", "transform packed", "transform unpacked",
-            "not_ready", "threads", "ctrl_c", "ctrl_c_twice", "open_session"]
+            "not_ready", "threads", "ctrl_c", "open_session", "ctrl_c_twice"]
 
 
 @pytest.mark.parametrize("case", RECOVERY)

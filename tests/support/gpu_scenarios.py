@@ -1092,7 +1092,8 @@ def tunix_qwen3(url: str, mode: str) -> None:
         assert stats.reused_metadata == (i > 0), stats
         want = _checksums(hugging_face(tree).items(), 1)
         ans = client.weight_checker("compare", baseline=want)
-        assert ans["match"], ans["mismatches"][:5]
+        ours = [name for name in ans["mismatches"] if name in want]  # the server is shared
+        assert not ours, ours[:5]
         check = sender.verify(tree)
         assert check.ok and len(check.matched) == len(want), check
     sender.close()
