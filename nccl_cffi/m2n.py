@@ -138,10 +138,29 @@ def _check_binding(path: str) -> None:
     seen = _symbol_address(m2n._handle, b"ncclGetVersion")
     default = _symbol_address(0, b"ncclGetVersion")  # RTLD_DEFAULT: the global scope
     if seen != mine or default not in (0, mine):
-        raise NcclLibraryNotFound(
-            f"{path} is bound to another libnccl than {ours}, which this process loaded: "
-            "another libnccl.so.2 was loaded first (LD_PRELOAD, or a library loaded before "
-            "this package's); load this package's first, or point NCCL_LIBRARY at that one")
+        raise NcclLibraryNotFound(_bound_elsewhere(path, ours))
+
+
+def _other_libnccl(ours: str) -> list[str]:
+    """Every other ``libnccl.so*`` mapped into this process (``/proc/self/maps``),
+    e.g. the one JAX loads from the ``nvidia-nccl-cu13`` wheel."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libnccl.so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/")
+                  and os.path.realpath(p) != os.path.realpath(ours))
+
+
+def _bound_elsewhere(path: str, ours: str) -> str:
+    """Why ``libnccl_m2n`` binds to the wrong libnccl, and the fix: it takes the
+    first ``libnccl.so.2`` the process loaded, whatever path this package chose."""
+    first = ", ".join(_other_libnccl(ours)) or "another libnccl.so.2"
+    return (f"{path} binds to {first}, loaded into this process before {ours} (the one this "
+            "package uses; JAX loads the nvidia-nccl-cu13 wheel's): pip install "
+            f"'nvidia-nccl-cu13>=2.30.5' so that both are one file, or start Python with "
+            f"LD_PRELOAD={ours}")
 
 
 def _check_version() -> None:
@@ -191,6 +210,8 @@ def load_m2n(path: str | os.PathLike | None = None) -> Any:
         try:
             lib = ffi.dlopen(os.path.realpath(chosen), ffi.RTLD_NOW | ffi.RTLD_LOCAL)
         except OSError as e:
+            if _other_libnccl(library_info().path):
+                raise NcclLibraryNotFound(_bound_elsewhere(chosen, library_info().path)) from None
             raise NcclLibraryNotFound(
                 f"libnccl_m2n at {chosen} (chosen by {source}) did not load ({e}): "
                 f"reinstall it ({_INSTALL}) for this machine's CUDA") from None

@@ -233,7 +233,8 @@ def test_m2n_into_vllms_m2n_engine(tmp_path):
                         env={"NCCL_LIBRARY": nccl}) as url:
             for seed in ("1", "2"):  # a second trainer process into the same server
                 argv, env = child("gpu_scenarios", "m2n", url, seed,
-                                  env=dict(gpu_env("0"), NCCL_LIBRARY=nccl))
+                                  env=dict(gpu_env("0"), NCCL_LIBRARY=nccl,
+                                           LD_PRELOAD=nccl))  # JAX's own NCCL is older
                 out = subprocess.run(argv, env=env, capture_output=True, text=True,
                                      timeout=300, cwd=ROOT)
                 print(out.stdout[-3000:], out.stderr[-3000:])

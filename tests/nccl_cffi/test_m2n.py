@@ -52,6 +52,41 @@ def test_an_nccl_older_than_2_30_5_is_refused_with_the_fix():
     assert "pip install 'nvidia-nccl-cu13>=2.30.5'" in out and "2.28.9" in out
 
 
+def _shared_library(out, source: str, *flags: str) -> str:
+    c = out.with_suffix(".c")
+    c.write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(out), str(c), *flags], check=True,
+                   capture_output=True, timeout=60)
+    return str(out)
+
+
+@pytest.mark.parametrize("uses", ["ncclReshardOnlyNewer", "ncclGetVersion"])
+def test_an_m2n_library_bound_to_an_earlier_libnccl_names_it_and_the_fix(tmp_path, uses):
+    """JAX loads the nvidia-nccl-cu13 wheel's libnccl.so.2 before this package
+    loads its own: libnccl_m2n binds to the first, and fails to load (a symbol
+    only the newer one has) or would call into a library that did not make the
+    communicator. Both are refused in one sentence naming the file and the fix."""
+    import os
+    import shutil
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler to build the stand-in libraries")
+    for d in ("other", "link"):
+        (tmp_path / d).mkdir()
+    version = "int ncclGetVersion(int *v) { *v = 22809; return 0; }\n"
+    soname = "-Wl,-soname,libnccl.so.2"
+    other = _shared_library(tmp_path / "other" / "libnccl.so.2", version, soname)
+    _shared_library(tmp_path / "link" / "libnccl.so.2",
+                    version + "int ncclReshardOnlyNewer(void) { return 0; }\n", soname)
+    m2n = _shared_library(tmp_path / "libnccl_m2n.so",
+                          f"int {uses}();\nint probe(void) {{ return {uses}(0); }}\n",
+                          "-L" + str(tmp_path / "link"), "-l:libnccl.so.2")
+    prelude = f"import ctypes, os\nctypes.CDLL({other!r}, mode=os.RTLD_NOW | os.RTLD_GLOBAL)\n"
+    out = _load_in_child(dict(os.environ, NCCL_M2N_LIBRARY=m2n), prelude)
+    assert out.startswith(f"NcclLibraryNotFound | {m2n} binds to {other}, loaded into"), out
+    assert "pip install 'nvidia-nccl-cu13>=2.30.5'" in out and "LD_PRELOAD=/" in out, out
+    assert "\n" not in out
+
+
 def test_a_descriptor_is_the_c_struct_m2n_reads():
     d = DistTensor(ptr=0xABC0, local_shape=(4, 6, 2), dtype=9, mesh=(2, 3), start_rank=5,
                    placements=(REPLICATE, 1))
