@@ -61,11 +61,12 @@ from .m2n_agreement import (
     check_runtime_ready_agreement,
     check_source_plan_agreement,
     decode_destination_placements,
+    described,
 )
 from .m2n_plan import MAX_DEST_SHARDS, validate_transfer_plan
 from .m2n_wire import M2NInitInfo
 from .metadata import MetadataGroup
-from .rendezvous import release_all
+from .rendezvous import release_all, world_sizes
 
 log = logging.getLogger("uniqueid")
 
@@ -263,10 +264,6 @@ def advertised_host(url: str) -> str:
         return s.getsockname()[0]
 
 
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 @dataclass(kw_only=True)
 class _Join:
     """One trainer rank's part of steps 2 to 5 (see the module docstring)."""
@@ -305,7 +302,7 @@ class _Join:
         try:
             handle = self.joiner.runtime(self.info.max_cta)
         except Exception as e:
-            failed = _error(e)
+            failed = described(e)
         try:
             check_runtime_ready_agreement(self.group, failed, self.deadline)
         except BaseException:
@@ -325,7 +322,7 @@ class _Join:
             placements = decode_destination_placements(raw, n)
             validate_transfer_plan(info.params, mesh, placements)
         except (ValueError, TypeError) as e:  # every rank hears it, and all stop
-            failed = _error(e)
+            failed = described(e)
         check_complete_plan_agreement(self.group, digest, mesh, placements, self.deadline,
                                       local_error=failed)
         return placements
@@ -334,7 +331,6 @@ class _Join:
 def _server_mesh(server: VLLMClient, deadline: Deadline) -> tuple[int, int]:
     """The server's workers as (replicas, tensor-parallel ranks): its world
     size with and without data parallelism."""
-    from .rendezvous import world_sizes
     total = world_sizes([server], None, deadline)[0]
     left = deadline.left()
     per_replica = server.get_world_size(False, timeout=60.0 if left is None else max(left, 1e-3))

@@ -31,7 +31,7 @@ __all__ = [
     "M2N_WIRE_SCHEMA_VERSION", "MAX_TENSOR_DIMS", "REPLICATE", "REPLICATED_ROW", "AgreementError",
     "M2NMesh", "M2NWireParam", "check_complete_plan_agreement", "check_data_plane_agreement",
     "check_runtime_ready_agreement", "check_source_plan_agreement", "complete_plan_digest",
-    "decode_destination_placements", "source_plan_digest",
+    "decode_destination_placements", "described", "source_plan_digest",
 ]
 
 M2N_WIRE_SCHEMA_VERSION = 2
@@ -248,7 +248,16 @@ def _local(error: str | None, fallback: str) -> str | None:
     return error
 
 
-def _described(exc: Exception) -> str:
+def described(exc: BaseException) -> str:
+    """A failure as a rank's envelope carries it (vLLM's form), e.g.
+    ``"ValueError: ..."``.
+
+    Args:
+        exc: the failure.
+
+    Returns:
+        Its type's name and its text.
+    """
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -289,7 +298,7 @@ def _source_record(params: Sequence[M2NWireParam | Mapping[str, Any]], expected_
             if not isinstance(declared, str) or not declared:
                 raise ValueError("declared source digest must be a non-empty string")
         except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
-            error = _described(exc)
+            error = described(exc)
     return {"phase": "source", "digest": digest, "declared_digest": declared, "error": error}
 
 
@@ -457,7 +466,7 @@ def check_complete_plan_agreement(group: MetadataGroup, source_digest: str, dst_
         try:
             digest = complete_plan_digest(source_digest, dst_mesh, dst_placements)
         except Exception as exc:  # noqa: BLE001 - vLLM sends any failure to every rank
-            error = _described(exc)
+            error = described(exc)
     gathered = group.all_gather_obj({"phase": "complete_plan", "digest": digest, "error": error},
                                     deadline, what="record of the complete-plan agreement")
     errors, valid = _count_check(group, gathered), []
