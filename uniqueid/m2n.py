@@ -42,9 +42,7 @@ from nccl_cffi import (
     Communicator,
     Deadline,
     Job,
-    await_future,
     cuda,
-    in_background,
     load_library,
 )
 from nccl_cffi import m2n as m2nlib
@@ -52,6 +50,7 @@ from nccl_cffi import m2n as m2nlib
 from .client import VLLMClient
 from .codec import UNIQUE_ID_BYTES, UniqueId
 from .errors import RendezvousError, RendezvousTimeout
+from .fleet import Calls
 from .m2n_agreement import (
     M2NMesh,
     M2NWireParam,
@@ -66,7 +65,7 @@ from .m2n_agreement import (
 from .m2n_plan import MAX_DEST_SHARDS, validate_transfer_plan
 from .m2n_wire import M2NInitInfo
 from .metadata import MetadataGroup
-from .rendezvous import release_all, world_sizes
+from .rendezvous import await_inits, post_inits, release_all, world_sizes
 
 log = logging.getLogger("uniqueid")
 
@@ -363,13 +362,6 @@ def _from_shared(blob: bytes, params: Sequence[M2NWireParam]) -> M2NInitInfo:
                        params=list(params), max_cta=meta["max_cta"])
 
 
-def _refusal(init: Future) -> Callable[[], None]:
-    def check() -> None:
-        if init.done() and init.exception() is not None:
-            init.result()
-    return check
-
-
 def _run_join(join: _Join, deadline: Deadline) -> tuple[Any, list[Placements | None]]:
     """``join.run()`` on a kept thread, given up when ``join.check`` raises
     (the server refused): the group's store is closed, which ends the
@@ -426,25 +418,22 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
     info, group = _plan_group(server, params, device=device, deadline=deadline,
                               trainer_ranks=trainer_ranks, share=share, store_host=store_host,
                               max_cta=max_cta, joiner=joiner)
-    init = in_background(_post_init, server, info, deadline, name="vllm-init")
+    init = post_inits([server], [info], deadline)
     join = _Join(group=group, info=info, rank=0, device=device, joiner=joiner,
-                 deadline=deadline, check=_refusal(init))
+                 deadline=deadline, check=init.raise_first)
     try:
         plane, destinations = _run_join(join, deadline)
     except RendezvousError as e:
         raise RendezvousError(f"the M2N group did not form: {e}") from e
-    _answered(init, server, deadline, lambda: (plane.abort("server init failed"), group.close()))
+    _answered(init, deadline, lambda: (plane.abort("server init failed"), group.close()))
     return M2NConnection(comm=plane, clients=[server], init_info=info,
                          destinations=destinations, group=group, owns_clients=owns_client)
 
 
-def _answered(init: Future, server: VLLMClient, deadline: Deadline,
-              undo: Callable[[], Any]) -> None:
-    """The server's answer to its init, within ``deadline``; else ``undo()``."""
+def _answered(init: Calls[None], deadline: Deadline, undo: Callable[[], Any]) -> None:
+    """The server's answer to its init (``await_inits``); else ``undo()``."""
     try:
-        if not await_future(init, deadline.at):
-            raise RendezvousTimeout(f"the workers joined but {server.base_url}"
-                                    "/init_weight_transfer_engine did not answer in time")
+        await_inits(init, deadline)
     except BaseException:
         undo()
         raise
@@ -514,9 +503,3 @@ def join_m2n(params: Sequence[M2NWireParam], *, rank: int, device: int, timeout:
 
 def _nothing() -> None:
     pass
-
-
-def _post_init(client: VLLMClient, info: M2NInitInfo, deadline: Deadline) -> None:
-    left = deadline.left()
-    client.init_weight_transfer_engine(info.to_payload(),
-                                       timeout=60.0 if left is None else max(left, 1e-3))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nccl_cffi import (
     DEFAULT_INIT_TIMEOUT,
@@ -48,6 +48,9 @@ from .codec import UNIQUE_ID_BYTES, UniqueId
 from .errors import RendezvousError, RendezvousTimeout, ServerStuck
 from .fleet import GRACE_S, Calls, call_all
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
+
+if TYPE_CHECKING:
+    from .m2n_wire import M2NInitInfo
 
 log = logging.getLogger("uniqueid")
 
@@ -577,8 +580,7 @@ def _init_infos(uid: UniqueId, workers: Sequence[int], trainer_ranks: int,
 def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Joiner,
           device: int, deadline: Deadline) -> Communicator:
     """Post each server's init and join the group, within ``deadline``."""
-    inits = Calls(clients, lambda i, _: _post_init(clients[i], infos[i], deadline),
-                  deadline=deadline)
+    inits = post_inits(clients, infos, deadline)
     left = deadline.left()
     try:
         comm = joiner.join(infos[0].world_size, infos[0].unique_id, 0, device,
@@ -592,10 +594,7 @@ def _join(clients: Sequence[VLLMClient], infos: Sequence[InitInfo], joiner: Join
     except NcclTimeoutError as e:
         raise RendezvousTimeout(f"{e}{_never_joined(inits, infos[0].world_size)}") from e
     try:
-        if not await_future(inits.ended, deadline.at):
-            raise RendezvousTimeout(f"the workers joined but {inits.named(inits.pending())}"
-                                    "/init_weight_transfer_engine did not answer in time")
-        inits.raise_first()
+        await_inits(inits, deadline)
     except BaseException as e:
         comm.abort("server init failed")
         if isinstance(e, RendezvousTimeout):
@@ -628,7 +627,44 @@ def _never_joined(inits: Calls[None], world_size: int) -> str:
             f"+ its workers, or did a trainer rank not join? ({', '.join(answered)})")
 
 
-async def _post_init(client: VLLMClient, info: InitInfo, deadline: Deadline) -> None:
+def post_inits(clients: Sequence[VLLMClient], infos: Sequence[InitInfo | M2NInitInfo],
+               deadline: Deadline) -> Calls[None]:
+    """Post every server's ``/init_weight_transfer_engine`` at once on the
+    HTTP loop, each answered within ``deadline``; the caller joins the group
+    meanwhile, with ``raise_first`` as its check (a refusal ends its wait).
+
+    Args:
+        clients: the servers.
+        infos: each server's ``init_info`` (``InitInfo``, or ``M2NInitInfo``).
+        deadline: bounds every init.
+
+    Returns:
+        The inits, in flight.
+    """
+    return Calls(clients, lambda i, _: _post_init(clients[i], infos[i], deadline),
+                 deadline=deadline)
+
+
+def await_inits(inits: Calls[None], deadline: Deadline) -> None:
+    """Wait for every server's answer to its init (``post_inits``), once the
+    trainer joined.
+
+    Args:
+        inits: from ``post_inits``.
+        deadline: by when the answers must have come.
+
+    Raises:
+        RendezvousTimeout: a server did not answer by ``deadline`` (named).
+        BaseException: what the first init that failed raised.
+    """
+    if not await_future(inits.ended, deadline.at):
+        raise RendezvousTimeout(f"the workers joined but {inits.named(inits.pending())}"
+                                "/init_weight_transfer_engine did not answer in time")
+    inits.raise_first()
+
+
+async def _post_init(client: VLLMClient, info: InitInfo | M2NInitInfo,
+                     deadline: Deadline) -> None:
     """``/init_weight_transfer_engine``, answered within ``deadline``."""
     init = VLLMClient.init_weight_transfer_engine.coroutine  # type: ignore[attr-defined]
     await init(client, info.to_payload(), timeout=_seconds_left(deadline))
