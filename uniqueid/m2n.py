@@ -65,7 +65,7 @@ from .m2n_agreement import (
 from .m2n_plan import MAX_DEST_SHARDS, validate_transfer_plan
 from .m2n_wire import M2NInitInfo
 from .metadata import MetadataGroup
-from .rendezvous import await_inits, post_inits, release_all, world_sizes
+from .rendezvous import await_inits, close_connection, post_inits, world_sizes
 
 log = logging.getLogger("uniqueid")
 
@@ -238,18 +238,9 @@ class M2NConnection:
         Raises:
             ServerStuck, RendezvousError: with ``strict``, as ``Connection.close``.
         """
-        deadline = deadline or Deadline(60.0)
-        problems = release_all(self.clients, deadline) if shutdown_servers else []
-        if free_comm:
-            self.comm.destroy()
-        self.group.close()
-        if self.owns_clients:
-            for c in self.clients:
-                c.close()
-        for e in problems[1:] if strict else problems:
-            log.warning("%s", e)
-        if strict and problems:
-            raise problems[0]
+        close_connection(self.clients, self.comm, owns_clients=self.owns_clients,
+                         deadline=deadline, shutdown_servers=shutdown_servers,
+                         free_comm=free_comm, strict=strict, then=self.group.close)
 
 
 def advertised_host(url: str) -> str:

@@ -256,17 +256,45 @@ class Connection:
             ServerStuck: with ``strict``, a server's engine did not answer.
             RendezvousError: with ``strict``, a server refused to shut down.
         """
-        deadline = deadline or Deadline(60.0)
-        problems = release_all(self.clients, deadline) if shutdown_servers else []
-        if free_comm:
-            self.comm.destroy()
-        if self.owns_clients:
-            for c in self.clients:
-                c.close()
-        for e in problems[1:] if strict else problems:
-            log.warning("%s", e)
-        if strict and problems:
-            raise problems[0]
+        close_connection(self.clients, self.comm, owns_clients=self.owns_clients,
+                         deadline=deadline, shutdown_servers=shutdown_servers,
+                         free_comm=free_comm, strict=strict)
+
+
+def close_connection(clients: Sequence[VLLMClient], comm: Any, *, owns_clients: bool,
+                     deadline: Deadline | None, shutdown_servers: bool, free_comm: bool,
+                     strict: bool, then: Callable[[], None] | None = None) -> None:
+    """What closing a connection does, on either path (``Connection``,
+    ``m2n.M2NConnection``): release the servers, free the data plane, run
+    ``then`` (the M2N group's store), close the HTTP clients it made.
+
+    Args:
+        clients: the servers.
+        comm: the communicator (or data plane), with ``destroy()``.
+        owns_clients: close the HTTP clients too.
+        deadline: bounds the servers' release (default: 60 s).
+        shutdown_servers: release the servers' engines.
+        free_comm: free ``comm`` (False: a thread is still inside one of its calls).
+        strict: raise when a server cannot be released; otherwise log it.
+        then: called after ``comm`` is freed, before the clients are closed.
+
+    Raises:
+        ServerStuck: with ``strict``, a server's engine did not answer.
+        RendezvousError: with ``strict``, a server refused to shut down.
+    """
+    deadline = deadline or Deadline(60.0)
+    problems = release_all(clients, deadline) if shutdown_servers else []
+    if free_comm:
+        comm.destroy()
+    if then is not None:
+        then()
+    if owns_clients:
+        for c in clients:
+            c.close()
+    for e in problems[1:] if strict else problems:
+        log.warning("%s", e)
+    if strict and problems:
+        raise problems[0]
 
 
 def release_all(clients: Sequence[VLLMClient], deadline: Deadline) -> list[RendezvousError]:
