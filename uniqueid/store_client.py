@@ -31,13 +31,17 @@ from nccl_cffi.waiting import Deadline
 
 from .errors import StoreError, StoreTimeout
 from .store_wire import (
+    I64,
     JOIN_KEY,
     MAGIC,
+    U32,
+    U64,
     CheckAnswer,
     Query,
     Request,
     WaitAnswer,
     WireLimits,
+    checked_delta,
     checked_value,
     encode_request,
     wire_key,
@@ -47,9 +51,6 @@ __all__ = ["CANCEL_GRACE", "StoreClient"]
 
 DEFAULT_IO_TIMEOUT = 30.0
 CANCEL_GRACE = 1.0
-_I64 = struct.Struct("<q")
-_U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
 
 
 class _Broken(Exception):
@@ -88,12 +89,12 @@ class StoreClient:
             with self._call(deadline):
                 self._send(encode_request(Request(query=Query.VALIDATE, number=MAGIC))
                            + encode_request(Request(query=Query.PING, number=nonce)), deadline)
-                if self._number(_U32, deadline) != nonce:
+                if self._number(U32, deadline) != nonce:
                     raise _Broken("its PING answer is not the nonce sent")
                 if world_size is not None:
                     self._send(encode_request(Request(query=Query.ADD, keys=(JOIN_KEY,), number=1)),
                                deadline)
-                    self._number(_I64, deadline)
+                    self._number(I64, deadline)
         except BaseException:
             self.close()
             raise
@@ -115,7 +116,7 @@ class StoreClient:
         with self._call(deadline):
             self._send(encode_request(Request(query=Query.SET, keys=(raw,), values=(value,)))
                        + encode_request(Request(query=Query.PING, number=1)), deadline)
-            if self._number(_U32, deadline) != 1:
+            if self._number(U32, deadline) != 1:
                 raise _Broken("its PING answer is not the nonce sent")
 
     def get(self, key: str, deadline: Deadline) -> bytes:
@@ -178,7 +179,7 @@ class StoreClient:
         deadline = deadline or Deadline(self._io_timeout)
         with self._call(deadline):
             self._send(encode_request(Request(query=Query.DELETE_KEY, keys=(raw,))), deadline)
-            return self._number(_I64, deadline) == 1
+            return self._number(I64, deadline) == 1
 
     def check(self, keys: Sequence[str], deadline: Deadline | None = None) -> bool:
         """Whether every key is set, without waiting.
@@ -222,12 +223,11 @@ class StoreClient:
         self.close()
 
     def _add(self, raw: bytes, delta: int, deadline: Deadline | None) -> int:
-        if not isinstance(delta, int) or isinstance(delta, bool):
-            raise TypeError(f"add takes an int, got {type(delta).__name__}")
+        delta = checked_delta(delta)
         deadline = deadline or Deadline(self._io_timeout)
         with self._call(deadline):
             self._send(encode_request(Request(query=Query.ADD, keys=(raw,), number=delta)), deadline)
-            return self._number(_I64, deadline)
+            return self._number(I64, deadline)
 
     @contextmanager
     def _call(self, deadline: Deadline) -> Iterator[None]:
@@ -279,7 +279,7 @@ class StoreClient:
         return codec.unpack(self._recv(codec.size, deadline))[0]
 
     def _blob(self, deadline: Deadline) -> bytes:
-        size = self._number(_U64, deadline)
+        size = self._number(U64, deadline)
         if size > self.limits.max_value_bytes:
             raise _Broken(f"it answered with a value of {size} bytes")
         return self._recv(size, deadline)

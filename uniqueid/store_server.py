@@ -26,7 +26,6 @@ from __future__ import annotations
 import re
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +38,7 @@ from .errors import StoreError, StoreTimeout
 from .store_wire import (
     JOIN_KEY,
     MAGIC,
+    U32,
     CheckAnswer,
     Query,
     Request,
@@ -46,6 +46,7 @@ from .store_wire import (
     WireError,
     WireLimits,
     blob,
+    checked_delta,
     checked_value,
     i64,
     parse_request,
@@ -59,7 +60,6 @@ CLOSE_TIMEOUT = 5.0
 _TICK = 0.1  # how often the server's thread looks for stalled connections
 _RECV_BYTES = 2**16
 _INT64 = re.compile(rb"-?[0-9]{1,19}")
-_U32 = struct.Struct("<I")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,8 +351,7 @@ class StoreServer:
         self.close()
 
     def _add(self, raw: bytes, delta: int, deadline: Deadline | None) -> int:
-        if not isinstance(delta, int) or isinstance(delta, bool):
-            raise TypeError(f"add takes an int, got {type(delta).__name__}")
+        delta = checked_delta(delta)
         with self._locked(deadline):
             total, woken = self._table.add(raw, delta)
             self._wake_waiters(woken)
@@ -546,7 +545,7 @@ class StoreServer:
     # ---- the queries, as the classic backend answers them ----
 
     def _on_ping(self, conn: _Conn, request: Request) -> bytes:
-        return _U32.pack(request.number)
+        return U32.pack(request.number)
 
     def _on_set(self, conn: _Conn, request: Request) -> None:
         self._wake_waiters(self._table.put(request.keys[0], request.values[0]))

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 __all__ = [
-    "JOIN_KEY", "KEY_PREFIX", "MAGIC", "CheckAnswer", "Query", "Request", "WaitAnswer",
-    "WireError", "WireLimits", "blob", "checked_value", "encode_request", "i64", "parse_request", "wire_key",
+    "I64", "JOIN_KEY", "KEY_PREFIX", "MAGIC", "U32", "U64", "CheckAnswer", "Query", "Request",
+    "WaitAnswer", "WireError", "WireLimits", "blob", "checked_delta", "checked_value",
+    "encode_request", "i64", "parse_request", "wire_key",
 ]
 
 MAGIC = 0x3C85F7CE
@@ -93,9 +94,11 @@ _SHAPES: dict[Query, tuple[str, ...]] = {
     Query.MULTI_SET: ("pairs",),
     Query.CANCEL_WAIT: (),
 }
-_NUMBERS = {"u32": struct.Struct("<I"), "i64": struct.Struct("<q")}
-_U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
+# The integers on the wire (little-endian, see the module docstring).
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+_NUMBERS = {"u32": U32, "i64": I64}
 
 
 class WireError(ValueError):
@@ -164,7 +167,7 @@ class _Reader:
         return codec.unpack(self.take(codec.size))[0]
 
     def blob(self, limit: int, what: str) -> bytes:
-        size = self.number(_U64)
+        size = self.number(U64)
         if size > limit:
             raise WireError(f"a {what} of {size} bytes (at most {limit})")
         return self.take(size)
@@ -189,9 +192,9 @@ def _read_fields(reader: _Reader, shape: tuple[str, ...]) -> tuple[list[bytes], 
         elif field == "value":
             values.append(reader.blob(limits.max_value_bytes, "value"))
         elif field == "keys":
-            keys += [reader.blob(limits.max_key_bytes, "key") for _ in range(reader.count(_U64))]
+            keys += [reader.blob(limits.max_key_bytes, "key") for _ in range(reader.count(U64))]
         else:  # "pairs"
-            for _ in range(reader.count(_I64)):
+            for _ in range(reader.count(I64)):
                 keys.append(reader.blob(limits.max_key_bytes, "key"))
                 values.append(reader.blob(limits.max_value_bytes, "value"))
     return keys, values, number
@@ -249,10 +252,10 @@ def encode_request(request: Request) -> bytes:
         elif field == "value":
             out.append(blob(next(values)))
         elif field == "keys":
-            out.append(_U64.pack(len(request.keys)) + b"".join(blob(k) for k in request.keys))
+            out.append(U64.pack(len(request.keys)) + b"".join(blob(k) for k in request.keys))
         else:  # "pairs"
             pairs = zip(request.keys, request.values)
-            out.append(_I64.pack(len(request.keys)) + b"".join(blob(k) + blob(v) for k, v in pairs))
+            out.append(I64.pack(len(request.keys)) + b"".join(blob(k) + blob(v) for k, v in pairs))
     return b"".join(out)
 
 
@@ -265,7 +268,7 @@ def blob(data: bytes) -> bytes:
     Returns:
         The encoded field.
     """
-    return _U64.pack(len(data)) + data
+    return U64.pack(len(data)) + data
 
 
 def i64(value: int) -> bytes:
@@ -277,7 +280,7 @@ def i64(value: int) -> bytes:
     Returns:
         Its 8 bytes.
     """
-    return _I64.pack(value)
+    return I64.pack(value)
 
 
 def wire_key(key: str, limits: WireLimits) -> bytes:
@@ -322,3 +325,20 @@ def checked_value(value: bytes, limits: WireLimits) -> bytes:
     if len(value) > limits.max_value_bytes:
         raise ValueError(f"a store value of {len(value)} bytes is over {limits.max_value_bytes}")
     return value
+
+
+def checked_delta(delta: int) -> int:
+    """``delta`` as an ``ADD``'s int64 operand, checked for type.
+
+    Args:
+        delta: what to add.
+
+    Returns:
+        ``delta``.
+
+    Raises:
+        TypeError: ``delta`` is not an int (a bool is not one here).
+    """
+    if not isinstance(delta, int) or isinstance(delta, bool):
+        raise TypeError(f"add takes an int, got {type(delta).__name__}")
+    return delta
