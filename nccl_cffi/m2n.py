@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ._ffi import ffi
-from .errors import NcclLibraryNotFound, NcclTimeoutError
+from .errors import InvalidUsageError, NcclLibraryNotFound, NcclTimeoutError
 from .library import cut_short, library_info, load_library
 from .results import SUCCESS, make_error
 
@@ -203,20 +203,22 @@ def load_m2n(path: str | os.PathLike | None = None) -> Any:
             raise NcclLibraryNotFound(
                 f"no libnccl_m2n found ({source}: {chosen or 'not installed'}): {_INSTALL}, "
                 f"or point {_ENV_VAR} at its libnccl_m2n.so")
-        short = cut_short(os.path.realpath(chosen))  # dlopen would die of SIGBUS
+        real = os.path.realpath(chosen)
+        short = cut_short(real)  # dlopen would die of SIGBUS
         if short:
             raise NcclLibraryNotFound(f"libnccl_m2n chosen by {source}: {short}: reinstall it "
                                       f"({_INSTALL})")
         try:
-            lib = ffi.dlopen(os.path.realpath(chosen), ffi.RTLD_NOW | ffi.RTLD_LOCAL)
+            lib = ffi.dlopen(real, ffi.RTLD_NOW | ffi.RTLD_LOCAL)
         except OSError as e:
-            if _other_libnccl(library_info().path):
-                raise NcclLibraryNotFound(_bound_elsewhere(chosen, library_info().path)) from None
+            ours = library_info().path
+            if _other_libnccl(ours):
+                raise NcclLibraryNotFound(_bound_elsewhere(chosen, ours)) from None
             raise NcclLibraryNotFound(
                 f"libnccl_m2n at {chosen} (chosen by {source}) did not load ({e}): "
                 f"reinstall it ({_INSTALL}) for this machine's CUDA") from None
-        _check_binding(os.path.realpath(chosen))
-        _lib, _path = lib, os.path.realpath(chosen)
+        _check_binding(real)
+        _lib, _path = lib, real
         return _lib
 
 
@@ -370,7 +372,6 @@ class Handle:
             NcclError: the reshard failed (``comm`` is aborted).
         """
         if self._handle is None:
-            from .errors import InvalidUsageError
             raise InvalidUsageError("this M2N handle is finalized")
         comm.in_call_since = time.monotonic()
         try:
