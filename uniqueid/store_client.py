@@ -112,8 +112,7 @@ class StoreClient:
             StoreTimeout: no confirmation within the deadline.
         """
         raw, value = wire_key(key, self.limits), checked_value(value, self.limits)
-        deadline = deadline or Deadline(self._io_timeout)
-        with self._call(deadline):
+        with self._call(deadline) as deadline:
             self._send(encode_request(Request(query=Query.SET, keys=(raw,), values=(value,)))
                        + encode_request(Request(query=Query.PING, number=1)), deadline)
             if self._number(U32, deadline) != 1:
@@ -176,8 +175,7 @@ class StoreClient:
             Whether it was there.
         """
         raw = wire_key(key, self.limits)
-        deadline = deadline or Deadline(self._io_timeout)
-        with self._call(deadline):
+        with self._call(deadline) as deadline:
             self._send(encode_request(Request(query=Query.DELETE_KEY, keys=(raw,))), deadline)
             return self._number(I64, deadline) == 1
 
@@ -192,8 +190,7 @@ class StoreClient:
             True when all are set.
         """
         raws = tuple(wire_key(k, self.limits) for k in keys)
-        deadline = deadline or Deadline(self._io_timeout)
-        with self._call(deadline):
+        with self._call(deadline) as deadline:
             self._send(encode_request(Request(query=Query.CHECK, keys=raws)), deadline)
             answer = self._recv(1, deadline)[0]
             if answer not in (CheckAnswer.READY, CheckAnswer.NOT_READY):
@@ -224,15 +221,16 @@ class StoreClient:
 
     def _add(self, raw: bytes, delta: int, deadline: Deadline | None) -> int:
         delta = checked_delta(delta)
-        deadline = deadline or Deadline(self._io_timeout)
-        with self._call(deadline):
+        with self._call(deadline) as deadline:
             self._send(encode_request(Request(query=Query.ADD, keys=(raw,), number=delta)), deadline)
             return self._number(I64, deadline)
 
     @contextmanager
-    def _call(self, deadline: Deadline) -> Iterator[None]:
-        """One call: the lock within the deadline; a broken connection
-        refused; a timeout or a break mid-answer leaves it closed."""
+    def _call(self, deadline: Deadline | None) -> Iterator[Deadline]:
+        """One call within ``deadline`` (``io_timeout`` if None), which it
+        yields: the lock within it; a broken connection refused; a timeout
+        or a break mid-answer leaves it closed."""
+        deadline = deadline or Deadline(self._io_timeout)
         left = deadline.left()
         if not self._lock.acquire(timeout=-1 if left is None else left):
             raise StoreTimeout(f"the store connection to {self._where()} stayed busy past the deadline")
@@ -240,7 +238,7 @@ class StoreClient:
             if self._broken:
                 raise StoreError(f"the connection to the metadata store at {self._where()} is closed "
                                  f"({self._broken}); join the group again")
-            yield
+            yield deadline
         except StoreError:
             raise
         except TimeoutError:
