@@ -13,7 +13,7 @@ letter:
    workers join the store with torch's own client;
 2. every rank agrees on the source plan, the data plane (the unique id's
    digest) and its local runtime (an M2N handle), through the metadata
-   group (``metadata.py``, ``agreement.py``): a rank that failed locally
+   group (``metadata.py``, ``m2n_agreement.py``): a rank that failed locally
    says so there, so no rank waits for it;
 3. every rank joins the NCCL communicator (no warm-up on this path);
 4. the first worker broadcasts, over NCCL, the destination placement of
