@@ -47,6 +47,8 @@ import types
 from types import SimpleNamespace
 from typing import Any
 
+from .vllm_sparse import module_alone
+
 TOY = (  # name, shape, dtype, loader
     ("layers.0.mlp.up_proj.weight", (16, 8), "bfloat16", "column"),
     ("layers.0.mlp.down_proj.weight", (8, 16), "bfloat16", "row"),
@@ -192,18 +194,6 @@ def _default_weight_loader(param: Any, loaded: Any) -> None:
     param.data.copy_(loaded)
 
 
-def _module_alone(name: str) -> Any:
-    """Import one vLLM module without its package's ``__init__`` (which, on a
-    GPU machine, imports the attention kernels that this tree leaves out)."""
-    import vllm
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
 def _attach(model: Any, name: str, param: Any) -> None:
     import torch
     *path, leaf = name.split(".")
@@ -249,7 +239,7 @@ def _worker(rank: int, tp: int, opts: dict[str, Any], env: dict[str, str], conn:
     if opts["plane"]:  # a stand-in data plane (tests on CPU): MODULE:ARGUMENT
         module, _, argument = opts["plane"].partition(":")
         importlib.import_module(module).install(argument)
-    checksum = _module_alone("vllm.model_executor.model_loader.weight_checksum")
+    checksum = module_alone("vllm.model_executor.model_loader.weight_checksum")
     compute_tensor_digests, zero_weights = checksum.compute_tensor_digests, checksum.zero_weights
     engine, model = _engine(rank, tp, device)
     prefix = f"dp0:pp0:pcp0:tp{rank}:"

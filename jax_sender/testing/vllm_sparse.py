@@ -14,6 +14,27 @@ import argparse
 import importlib.util
 import os
 import sys
+from typing import Any
+
+
+def module_alone(name: str) -> Any:
+    """Import one vLLM module without its package's ``__init__`` (which pulls
+    in the model-loading stack and, on a GPU machine, the attention kernels
+    this tree leaves out); once imported, the module already loaded.
+
+    Args:
+        name: the module's dotted name, ``vllm.``...
+
+    Returns:
+        The module (also in ``sys.modules``, where later imports find it).
+    """
+    import vllm
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def main() -> None:
@@ -39,14 +60,9 @@ def main() -> None:
 
     import torch
     import uvicorn
-    import vllm
     # The sparse engine's loader module needs only torch, but its package's
     # __init__ pulls in the whole model-loading stack: load the module alone.
-    name = "vllm.model_executor.model_loader.checkpoint_weight_patch"
-    spec = importlib.util.spec_from_file_location(name, os.path.join(
-        os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py")
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules[name])
+    module_alone("vllm.model_executor.model_loader.checkpoint_weight_patch")
     from vllm.distributed.weight_transfer import nccl_engine
     from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferEngine
 
