@@ -47,7 +47,7 @@ import types
 from types import SimpleNamespace
 from typing import Any
 
-from .vllm_sparse import module_alone
+from .vllm_sparse import module_alone, package_alone
 
 TOY = (  # name, shape, dtype, loader
     ("layers.0.mlp.up_proj.weight", (16, 8), "bfloat16", "column"),
@@ -116,6 +116,19 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _without_flash_attention() -> None:
+    """On CUDA, vLLM's layerwise reload (the fallback path's start and
+    finish) imports the attention layers, which import flash attention's
+    kernels at module level; the tree leaves them out, and a weight update
+    never calls them: a stand-in takes their place where they do not load."""
+    name = "vllm.vllm_flash_attn"
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        spec = importlib.machinery.ModuleSpec(name, _Stubs([]), is_package=True)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+
+
 def _load_vllm(tree: str | None, cpu: bool) -> None:
     """vLLM's tree importable here: on a GPU machine the tree's shim forces
     vLLM's CUDA platform (the real one needs compiled kernels); packages
@@ -131,6 +144,8 @@ def _load_vllm(tree: str | None, cpu: bool) -> None:
     if not cpu:
         import shim  # the tree's
         shim.load()
+        _without_flash_attention()
+    package_alone("vllm.model_executor.model_loader")  # its __init__: every loader
     protocol = types.ModuleType("vllm.engine.protocol")
     protocol.EngineClient = object
     sys.modules.setdefault("vllm.engine.protocol", protocol)

@@ -14,13 +14,33 @@ import argparse
 import importlib.util
 import os
 import sys
+import types
 from typing import Any
 
 
+def package_alone(name: str) -> Any:
+    """Register one vLLM package without running its ``__init__`` (which
+    pulls in the model-loading stack and, on a GPU machine, kernels this
+    tree leaves out): its submodules then import as usual; a package
+    already imported is kept.
+
+    Args:
+        name: the package's dotted name, ``vllm.``...
+
+    Returns:
+        The package module (in ``sys.modules``).
+    """
+    import vllm
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(os.path.dirname(vllm.__file__), *name.split(".")[1:])]
+        sys.modules[name] = package
+    return sys.modules[name]
+
+
 def module_alone(name: str) -> Any:
-    """Import one vLLM module without its package's ``__init__`` (which pulls
-    in the model-loading stack and, on a GPU machine, the attention kernels
-    this tree leaves out); once imported, the module already loaded.
+    """Import one vLLM module without its package's ``__init__`` (see
+    :func:`package_alone`).
 
     Args:
         name: the module's dotted name, ``vllm.``...
@@ -28,13 +48,8 @@ def module_alone(name: str) -> Any:
     Returns:
         The module (also in ``sys.modules``, where later imports find it).
     """
-    import vllm
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(vllm.__file__), *name.split(".")[1:]) + ".py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    package_alone(name.rpartition(".")[0])
+    return importlib.import_module(name)
 
 
 def main() -> None:
