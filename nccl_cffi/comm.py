@@ -36,7 +36,7 @@ from .errors import InvalidUsageError, NcclTimeoutError
 from .library import load_library, nccl_version
 from .results import IN_PROGRESS, SUCCESS, make_error
 from .results import check as check_rc
-from .waiting import Deadline, Job, check_timeout, poll_until
+from .waiting import Deadline, Job, check_timeout, no_check, poll_until
 
 UNIQUE_ID_BYTES = 128
 DEFAULT_INIT_TIMEOUT = 300.0
@@ -221,7 +221,7 @@ class Communicator:
         comm._settle("ncclCommInitRank", timeout, why, check)
         if then is not None:
             try:
-                then(comm, deadline.left(), check or _no_check)
+                then(comm, deadline.left(), check or no_check)
             except BaseException:
                 comm.abort("initialisation failed")
                 raise
@@ -256,7 +256,7 @@ class Communicator:
 
         job = Job(run, name="nccl-init")
         try:
-            if job.wait(deadline.at, check or _no_check):
+            if job.wait(deadline.at, check or no_check):
                 return job.future.result()
             raise NcclTimeoutError(
                 f"ncclCommInitRank did not complete within {timeout}s; the init was "
@@ -750,9 +750,6 @@ def _not_joined(rank: int, nranks: int, timeout: float | None) -> str:
             "that every peer got the same unique id and world size and entered init "
             "(vLLM: /init_weight_transfer_engine)")
 
-
-def _no_check() -> None:
-    pass
 
 
 def _abort_made(init: Future[Communicator]) -> None:

@@ -23,10 +23,12 @@ from typing import Any, Generic, TypeVar
 from .threads import run_in_thread
 
 T = TypeVar("T")
+# What a long wait calls between its slices: it raises to end the wait early
+# (a stopped push, a server's refusal, NCCL's asynchronous error).
 Check = Callable[[], None]
 
-__all__ = ["MAX_TIMEOUT_S", "Deadline", "Job", "JobStopped", "await_future", "check_timeout",
-           "in_background", "poll_until"]
+__all__ = ["MAX_TIMEOUT_S", "Check", "Deadline", "Job", "JobStopped", "await_future", "check_timeout",
+           "in_background", "no_check", "poll_until"]
 
 # The longest deadline any call or setting may ask for: 10^9 s (32 years).
 # Python's timed waits (threading's, a socket's) raise OverflowError past
@@ -34,9 +36,6 @@ __all__ = ["MAX_TIMEOUT_S", "Deadline", "Job", "JobStopped", "await_future", "ch
 # margins), so what is asked stays an order of magnitude below.
 MAX_TIMEOUT_S = 1e9
 
-
-def _nothing() -> None:
-    pass
 
 
 def check_timeout(name: str, seconds: Any, *, optional: bool = False, zero: bool = False,
@@ -61,6 +60,10 @@ def check_timeout(name: str, seconds: Any, *, optional: bool = False, zero: bool
         least = "0" if zero else "above 0"
         raise ValueError(f"{name} must be a finite number of seconds from {least} to {at_most:g}"
                          f"{' or None' if optional else ''}, got {seconds!r}")
+
+
+def no_check() -> None:
+    """The :data:`Check` of a wait that only its deadline ends."""
 
 
 class Deadline:
@@ -118,7 +121,7 @@ class Deadline:
         return f"Deadline(left={self.left()})"
 
 
-def poll_until(done: Callable[[], bool], timeout: float | None, *, check: Check = _nothing,
+def poll_until(done: Callable[[], bool], timeout: float | None, *, check: Check = no_check,
                on_timeout: Callable[[], BaseException]) -> None:
     """Call ``done`` until it is true, ``check`` between calls (it may raise).
 
@@ -155,7 +158,7 @@ def poll_until(done: Callable[[], bool], timeout: float | None, *, check: Check 
 
 
 def await_future(future: Future, deadline: float | Callable[[], float | None] | None,
-                 check: Check = _nothing) -> bool:
+                 check: Check = no_check) -> bool:
     """Wait for ``future``, polling ``check`` every 50 ms.
 
     Args:
@@ -246,7 +249,7 @@ class Job(Generic[T]):
             raise JobStopped("the job was stopped by its caller")
 
     def wait(self, deadline: float | Callable[[], float | None] | None,
-             check: Check = _nothing) -> bool:
+             check: Check = no_check) -> bool:
         """``await_future`` on the job: True once it ended (its exception
         raised), False past ``deadline``.
 

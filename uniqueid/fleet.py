@@ -17,22 +17,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from nccl_cffi.waiting import Deadline, await_future
+from nccl_cffi.waiting import Check, Deadline, await_future, no_check
 
 from . import transport
 from .client import VLLMClient, VLLMConnectionError
 from .errors import RendezvousTimeout
 
 T = TypeVar("T")
-Check = Callable[[], None]
 
 # How long past its deadline a phase is waited for before it is given up:
 # every call ends by the deadline on the loop; this only covers the handoffs.
 GRACE_S = 1.0
 
-
-def _nothing() -> None:
-    pass
 
 
 class Calls(Generic[T]):
@@ -114,7 +110,7 @@ class Calls(Generic[T]):
         if self.first is not None:
             raise self.first
 
-    def wait(self, check: Check = _nothing) -> None:
+    def wait(self, check: Check = no_check) -> None:
         """Wait until every call ended (each bounded by the deadline); an
         interrupt or what ``check`` raises gives up those still in flight.
 

@@ -46,6 +46,7 @@ from nccl_cffi import (
     load_library,
 )
 from nccl_cffi import m2n as m2nlib
+from nccl_cffi.waiting import no_check
 
 from .client import VLLMClient
 from .codec import UNIQUE_ID_BYTES, UniqueId
@@ -486,11 +487,8 @@ def join_m2n(params: Sequence[M2NWireParam], *, rank: int, device: int, timeout:
     group = MetadataGroup.join(info.master_address, info.master_port, rank, info.world_size,
                                deadline=deadline)
     join = _Join(group=group, info=info, rank=rank, device=device, joiner=joiner,
-                 deadline=deadline, check=_nothing)
+                 deadline=deadline, check=no_check)
     plane, destinations = _run_join(join, deadline)
     return M2NConnection(comm=plane, clients=[], init_info=info, destinations=destinations,
                          group=group, rank=rank)
 
-
-def _nothing() -> None:
-    pass

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nccl_cffi.m2n import MAX_TENSOR_DIMS, MESH_NDIMS, REPLICATE
 from nccl_cffi.waiting import Deadline
 
 from .metadata import GroupError, MetadataGroup
@@ -34,10 +35,7 @@ __all__ = [
     "decode_destination_placements", "described", "source_plan_digest",
 ]
 
-M2N_WIRE_SCHEMA_VERSION = 2
-REPLICATE = -1
-MESH_NDIMS = 2
-MAX_TENSOR_DIMS = 3
+M2N_WIRE_SCHEMA_VERSION = 2  # the placements and limits on the wire are the library's own
 # What ``publish_destination_placements`` writes for a REPLICATED parameter.
 REPLICATED_ROW = REPLICATE - 1
 

@@ -31,6 +31,7 @@ from nccl_cffi.waiting import Deadline
 
 from .errors import StoreError, StoreTimeout
 from .store_wire import (
+    DEFAULT_IO_TIMEOUT,
     I64,
     JOIN_KEY,
     MAGIC,
@@ -49,7 +50,6 @@ from .store_wire import (
 
 __all__ = ["CANCEL_GRACE", "StoreClient"]
 
-DEFAULT_IO_TIMEOUT = 30.0
 CANCEL_GRACE = 1.0
 
 

@@ -36,6 +36,7 @@ from nccl_cffi.waiting import Deadline
 
 from .errors import StoreError, StoreTimeout
 from .store_wire import (
+    DEFAULT_IO_TIMEOUT,
     JOIN_KEY,
     MAGIC,
     U32,
@@ -53,9 +54,8 @@ from .store_wire import (
     wire_key,
 )
 
-__all__ = ["DEFAULT_IO_TIMEOUT", "StoreLimits", "StoreServer"]
+__all__ = ["StoreLimits", "StoreServer"]
 
-DEFAULT_IO_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 5.0
 _TICK = 0.1  # how often the server's thread looks for stalled connections
 _RECV_BYTES = 2**16

@@ -32,14 +32,16 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 __all__ = [
-    "I64", "JOIN_KEY", "KEY_PREFIX", "MAGIC", "U32", "U64", "CheckAnswer", "Query", "Request",
-    "WaitAnswer", "WireError", "WireLimits", "blob", "checked_delta", "checked_value",
-    "encode_request", "i64", "parse_request", "wire_key",
+    "DEFAULT_IO_TIMEOUT", "I64", "JOIN_KEY", "KEY_PREFIX", "MAGIC", "U32", "U64", "CheckAnswer",
+    "Query", "Request", "WaitAnswer", "WireError", "WireLimits", "blob", "checked_delta",
+    "checked_value", "encode_request", "i64", "parse_request", "wire_key",
 ]
 
 MAGIC = 0x3C85F7CE
 KEY_PREFIX = b"/"
 JOIN_KEY = b"init/"
+# The deadline of a store call (client or server side) given none of its own.
+DEFAULT_IO_TIMEOUT = 30.0
 
 
 class Query(IntEnum):

@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from nccl_cffi import NCCL_TYPES, Communicator, cuda, poll_until
+from nccl_cffi.waiting import Check
 
 from .plan import Chunk, TensorMeta
 
-Check = Callable[[], None]
 # One broadcast as the workers expect it: (element count, ncclDataType_t, bytes).
 Part = tuple[int, int, int]
 # The array a completed round sends for its part k (see ``Broadcaster.complete``).

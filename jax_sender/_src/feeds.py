@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import jax
 
+from nccl_cffi.waiting import Check
+
 from .broadcaster import Broadcaster, Fill, Make, Part
 from .plan import Chunk, TensorMeta
 
-Check = Callable[[], None]
 Get = Callable[[int], jax.Array]
 
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from nccl_cffi import DEFAULT_INIT_TIMEOUT, Deadline, await_future, in_background, poll_until
+from nccl_cffi.waiting import no_check
 from uniqueid import (
     NCCL_JOIN,
     UNIQUE_ID_BYTES,
@@ -159,9 +160,6 @@ class TrainerGroup:
         if self.rank is None:
             return None
         comm = self.joiner.join(world, uid, self.rank, self.device, timeout=deadline.left(),
-                                check=_nothing)
+                                check=no_check)
         return Connection(comm, [], [self.init_info], self.device, uid)
 
-
-def _nothing() -> None:
-    pass

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nccl_cffi import Job, NcclError, await_future, in_background
+from nccl_cffi.waiting import Check
 from uniqueid import RendezvousError, RendezvousTimeout
 from uniqueid.fleet import Calls
 
@@ -43,8 +44,6 @@ from .errors import SendError, UpdateIncomplete
 from .feeds import Received, Rest
 from .plan import TensorMeta
 from .stats import SendStats
-
-Check = Callable[[], None]
 
 
 class Broadcasts(Protocol):

@@ -28,10 +28,10 @@ import jax
 
 from nccl_cffi import cuda
 from nccl_cffi.m2n import DistTensor
+from nccl_cffi.waiting import Check
 
 from .broadcaster import Arena, buffer_pointer
 
-Check = Callable[[], None]
 Get = Callable[[int], jax.Array]
 
 
