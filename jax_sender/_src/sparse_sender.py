@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from nccl_cffi import NCCL_TYPES
-from uniqueid import VLLMClient, as_clients
+from uniqueid import as_clients
 from uniqueid.wire import SparseUpdateInfo
 
 from .broadcaster import parts_of
@@ -30,12 +30,12 @@ from .config import SendConfig
 from .describe import Descriptions, Get, Placement, describe
 from .errors import MetadataError, UpdateIncomplete
 from .feeds import Tensors
-from .fleet import DroppedServer, fleet_of
+from .fleet import DroppedServer
 from .naming import Mapping
 from .plan import TensorMeta, check_against
 from .push import PreparedPush, Round
 from .routes import SingleProcess, usable_device
-from .sender import Servers, check_push, open_session
+from .sender import Servers, WeightSender, check_push, open_session
 from .session import Session, Ticket
 from .sparse import Patch, check_sparse, count_changes, diff, padded
 from .stats import SendStats
@@ -216,21 +216,13 @@ class SparseSender:
             update_timeout_s=config.wait_timeout_s(nbytes) + timeout)
         return push, patches
 
-    # -- lifetime ----------------------------------------------------------
-    @property
-    def config(self) -> SendConfig:
-        """Every setting of this sender (the session's)."""
-        return self.session.config
-
-    @property
-    def broken(self) -> str:
-        """Why the transfer group is broken ("" when it is not)."""
-        return self.session.broken
-
-    @property
-    def servers(self) -> tuple[str, ...]:
-        """The URLs of the servers this sender pushes to (process 0's in a group)."""
-        return tuple(c.base_url for c in fleet_of(self.session.route))
+    # -- lifetime: a WeightSender's, over the Session this sender holds ------
+    config = WeightSender.config
+    broken = WeightSender.broken
+    servers = WeightSender.servers
+    drop_server = WeightSender.drop_server
+    add_server = WeightSender.add_server
+    close = WeightSender.close
 
     def reconnect(self, *, drop_dead: bool = False) -> list[DroppedServer]:
         """Form the transfer group again after a failure (see ``Session.reconnect``).
@@ -259,52 +251,6 @@ class SparseSender:
             NcclError: NCCL refused the trainer's new init.
         """
         return self.session.reconnect(drop_dead=drop_dead)
-
-    def drop_server(self, server: str | VLLMClient) -> None:
-        """Stop pushing to ``server``: the group is formed again without it
-        (NCCL's world size is fixed at init), like ``reconnect()``, within
-        ``config.reconnect_timeout_s``. A server that is gone is left
-        without a word to it (a warning says so); one that answers is
-        released, ready for another trainer. Single-process senders only.
-
-        Args:
-            server: its URL (one of ``servers``), or its client.
-
-        Raises:
-            ValueError: not one of ``servers``, or the last one (``close()``).
-            TransferError: a multi-process sender.
-            SenderClosed, SendError, ServerStuck, RendezvousError,
-            NcclError: as ``reconnect``.
-        """
-        self.session.drop_server(server)
-
-    def add_server(self, server: str | VLLMClient, *, workers: int | None = None) -> None:
-        """Push to ``server`` too (a new one, or one dropped and back up):
-        its world size is asked first, so a server that cannot join leaves
-        the sender as it was; then the group is formed again with every
-        server, like ``reconnect()``, within ``config.reconnect_timeout_s``.
-        The next push sends every tensor with its metadata. Single-process
-        senders only.
-
-        Args:
-            server: its URL, or a ``VLLMClient``.
-            workers: its worker count, asked when not given.
-
-        Raises:
-            ValueError: a URL that is not http(s), or already one of ``servers``.
-            TransferError: a multi-process sender.
-            RendezvousError: it cannot join (nothing changed), or the new
-                group did not form.
-            SenderClosed, SendError, ServerStuck, NcclError: as ``reconnect``.
-        """
-        self.session.add_server(server, workers=workers)
-
-    def close(self) -> None:
-        """Let a push in flight end on the servers (within its deadlines),
-        release the servers and free everything (see ``Session.close``). A
-        server that cannot be released is logged, not raised; calling it
-        again does nothing."""
-        self.session.close()
 
     def __enter__(self) -> SparseSender:
         return self
