@@ -5,13 +5,13 @@
     python benches/fleet.py --report benches/fleet-cpu.json [--before benches/fleet-cpu-before.json]
 
 (From the repository's root; ``tests`` for the test suite's ``support``.)
-For each size, ``support.idle_servers`` serves that many do-nothing vLLM
+For each size, ``support.servers.idle_servers`` serves that many do-nothing vLLM
 servers (every route answered at once with vLLM's shapes, idle connections
 closed after 5 s as uvicorn does) from one asyncio process, and a fresh
 sender process measures the real ``WeightSender`` against them: its group
 formed through the real ``uniqueid.connect`` over the tests' ``MemoryJoin``,
 its broadcasts handed to a data plane that moves nothing
-(``support.memory_link.NullBroadcaster``), so only the sender's cost per
+(``support.servers.memory_link.NullBroadcaster``), so only the sender's cost per
 server is seen, not NCCL's. Per size:
 
 - connect: building the clients (``as_clients`` of the URLs, as
@@ -94,11 +94,11 @@ def role_fleet(urls_json: str, workers: str, pushes: str, idle: str) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     from jax_sender import SendConfig, WeightSender
-    from jax_sender._src.routes import SingleProcess
-    from jax_sender._src.session import Session
+    from jax_sender._src.core.routes import SingleProcess
+    from jax_sender._src.core.session import Session
     from uniqueid import as_clients
 
-    from support.memory_link import MemoryJoin, NullBroadcaster
+    from support.servers.memory_link import MemoryJoin, NullBroadcaster
 
     urls = json.loads(urls_json)
     params = [("w", jnp.arange(1024, dtype=jnp.float32))]
@@ -145,7 +145,7 @@ def role_fleet(urls_json: str, workers: str, pushes: str, idle: str) -> None:
 def measure(servers: int, workers: int, pushes: int, idle: bool) -> dict[str, Any]:
     """One size: its do-nothing servers in one process, the sender in another."""
     from support import on_tests_path
-    from support.idle_servers import IdleServers
+    from support.servers.idle_servers import IdleServers
 
     with IdleServers(servers, workers=workers) as fleet:
         p = subprocess.run([sys.executable, __file__, "role_fleet", json.dumps(fleet.urls),

@@ -3,7 +3,7 @@
     PYTHONPATH=.:tests python benches/host_cost.py [--sends 500] [--tensors 1]
 
 (From the repository's root. ``tests``: the in-memory link is the test
-suite's ``support.memory_link``; ``.`` first, or ``tests/jax_sender/``
+suite's ``support.servers.memory_link``; ``.`` first, or ``tests/jax_sender/``
 would stand in for the package.) A 4 KiB push (the bench's fixed-cost row)
 through ``WeightSender.send`` over that in-memory link: real HTTP
 on loopback with vLLM's session rules, the broadcast handed over in memory.
@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     import jax
 
-    from support.memory_link import memory_sender
+    from support.servers.memory_link import memory_sender
 
     jax.config.update("jax_platforms", "cpu")
     params, mapping = workload(args.model, args.tensors)

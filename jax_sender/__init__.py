@@ -10,22 +10,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {
-    "SendConfig": "config",
-    "GatherTimeout": "errors", "MetadataError": "errors",
-    "SendError": "errors", "SenderClosed": "errors", "TransferError": "errors",
-    "UpdateIncomplete": "errors",
-    "LLAMA": "naming", "Mapping": "naming", "flatten": "naming", "llama_name": "naming",
-    "llama_transform": "naming", "named_arrays": "naming",
-    "WIRE_DTYPES": "plan", "Chunk": "plan", "LoadPlan": "plan", "TensorMeta": "plan",
-    "plan_chunks": "plan", "wire_order": "plan",
-    "PendingSend": "session", "SendStats": "stats", "describe": "describe",
-    "VerifyResult": "sender", "WeightSender": "sender",
-    "SparseSender": "sparse_sender", "M2NSender": "m2n_sender", "DroppedServer": "fleet",
-    "TUNIX_LLAMA3": "zoo", "TUNIX_QWEN2": "zoo", "TUNIX_QWEN3": "zoo", "MAXTEXT_LLAMA31": "zoo",
-    "MAXTEXT_QWEN3": "zoo", "tunix_llama3": "zoo", "tunix_qwen2": "zoo", "tunix_qwen3": "zoo",
-    "maxtext_llama31": "zoo", "maxtext_qwen3": "zoo",
+# Where each public name lives: the shared core, or the backend whose sender it is.
+_HOMES = {
+    "core.config": ("SendConfig",),
+    "core.errors": ("GatherTimeout", "MetadataError", "SendError", "SenderClosed", "TransferError",
+                    "UpdateIncomplete"),
+    "core.fleet": ("DroppedServer",),
+    "core.senders": ("VerifyResult",),
+    "core.session": ("PendingSend",),
+    "core.stats": ("SendStats",),
+    "core.tensors.describe": ("describe",),
+    "core.tensors.naming": ("LLAMA", "Mapping", "flatten", "llama_name", "llama_transform",
+                            "named_arrays"),
+    "core.tensors.plan": ("WIRE_DTYPES", "Chunk", "LoadPlan", "TensorMeta", "plan_chunks",
+                          "wire_order"),
+    "core.tensors.zoo": ("MAXTEXT_LLAMA31", "MAXTEXT_QWEN3", "TUNIX_LLAMA3", "TUNIX_QWEN2",
+                         "TUNIX_QWEN3", "maxtext_llama31", "maxtext_qwen3", "tunix_llama3",
+                         "tunix_qwen2", "tunix_qwen3"),
+    "broadcast.sender": ("WeightSender",),
+    "sparse.sender": ("SparseSender",),
+    "m2n.sender": ("M2NSender",),
 }
+_EXPORTS = {name: home for home, names in _HOMES.items() for name in names}
 __all__ = [
     "LLAMA", "WIRE_DTYPES", "Chunk", "DroppedServer", "GatherTimeout", "LoadPlan", "M2NSender",
     "Mapping", "MetadataError",
@@ -38,9 +44,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._src.config import SendConfig
-    from ._src.describe import describe
-    from ._src.errors import (
+    from ._src.broadcast.sender import WeightSender
+    from ._src.core.config import SendConfig
+    from ._src.core.errors import (
         GatherTimeout,
         MetadataError,
         SenderClosed,
@@ -48,15 +54,14 @@ if TYPE_CHECKING:
         TransferError,
         UpdateIncomplete,
     )
-    from ._src.fleet import DroppedServer
-    from ._src.m2n_sender import M2NSender
-    from ._src.naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
-    from ._src.plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
-    from ._src.sender import VerifyResult, WeightSender
-    from ._src.session import PendingSend
-    from ._src.sparse_sender import SparseSender
-    from ._src.stats import SendStats
-    from ._src.zoo import (
+    from ._src.core.fleet import DroppedServer
+    from ._src.core.senders import VerifyResult
+    from ._src.core.session import PendingSend
+    from ._src.core.stats import SendStats
+    from ._src.core.tensors.describe import describe
+    from ._src.core.tensors.naming import LLAMA, Mapping, flatten, llama_name, llama_transform, named_arrays
+    from ._src.core.tensors.plan import WIRE_DTYPES, Chunk, LoadPlan, TensorMeta, plan_chunks, wire_order
+    from ._src.core.tensors.zoo import (
         MAXTEXT_LLAMA31,
         MAXTEXT_QWEN3,
         TUNIX_LLAMA3,
@@ -68,6 +73,8 @@ if TYPE_CHECKING:
         tunix_qwen2,
         tunix_qwen3,
     )
+    from ._src.m2n.sender import M2NSender
+    from ._src.sparse.sender import SparseSender
 
 
 assert sorted(__all__) == sorted(_EXPORTS)

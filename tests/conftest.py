@@ -6,7 +6,7 @@ import pytest
 
 from jax_sender.testing.harness import SHARE_GPUS, gpu_count
 
-pytest_plugins = ["support.sigterm"]
+pytest_plugins = ["support.children.sigterm"]
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # The pytest process itself stays off the GPUs (XLA would preallocate 75% of

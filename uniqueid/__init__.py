@@ -1,7 +1,6 @@
 """Unique ids as vLLM reads them, vLLM's weight-transfer routes, and the
 rendezvous (init + warm-up) that a torch-free trainer performs with them."""
 
-from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError, VLLMTimeout
 from .codec import (
     B64_LENGTH,
     UNIQUE_ID_BYTES,
@@ -11,6 +10,7 @@ from .codec import (
     redact,
 )
 from .errors import RendezvousError, RendezvousTimeout, ServerStuck
+from .http.client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError, VLLMTimeout
 from .rendezvous import (
     MAX_WORKERS,
     NCCL_JOIN,

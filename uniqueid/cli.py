@@ -15,8 +15,8 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from .client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError
 from .errors import ServerStuck
+from .http.client import VLLMClient, VLLMConnectionError, VLLMHTTPError, VLLMProtocolError
 from .rendezvous import engine_answers
 
 # The NCCL that a stock install of each vLLM release loads (through the torch

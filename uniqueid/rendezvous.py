@@ -38,19 +38,19 @@ from nccl_cffi import (
     load_library,
 )
 
-from . import transport
-from .client import (
+from .codec import UNIQUE_ID_BYTES, UniqueId
+from .errors import RendezvousError, RendezvousTimeout, ServerStuck
+from .http import transport
+from .http.client import (
     VLLMClient,
     VLLMHTTPError,
     VLLMTimeout,
 )
-from .codec import UNIQUE_ID_BYTES, UniqueId
-from .errors import RendezvousError, RendezvousTimeout, ServerStuck
-from .fleet import GRACE_S, Calls, call_all
+from .http.fleet import GRACE_S, Calls, call_all
 from .wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo
 
 if TYPE_CHECKING:
-    from .m2n_wire import M2NInitInfo
+    from .m2n.wire import M2NInitInfo
 
 log = logging.getLogger("uniqueid")
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sender import Mapping, MetadataError, PendingSend, SendConfig, SendError, WeightSender
-from jax_sender._src.naming import dotted
+from jax_sender._src.core.tensors.naming import dotted
 from nccl_cffi import Deadline
 from nccl_cffi.waiting import MAX_TIMEOUT_S
 from uniqueid import VLLMClient, VLLMTimeout
@@ -188,7 +188,7 @@ class VLLMServerRollout(base_rollout.BaseRollout):
         servers: the vLLM server URL, or a list of them (one NCCL group
             feeds them all; ``generate`` splits each batch between them).
         mapping: the trainer's tree to Hugging Face names, e.g.
-            ``TUNIX_QWEN3`` (see ``jax_sender._src.zoo``); with ``sender=``,
+            ``TUNIX_QWEN3`` (see ``jax_sender._src.core.tensors.zoo``); with ``sender=``,
             the sender's (leave it out).
         tokenizer: Tunix's ``TokenizerAdapter`` (what ``RLCluster`` passes),
             a Hugging Face or SentencePiece tokenizer, or None (string

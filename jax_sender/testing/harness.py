@@ -127,15 +127,7 @@ def run_all(procs: Sequence[subprocess.Popen], timeout: float, expect: str = "OK
     readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
     for r in readers:
         r.start()
-    deadline = time.monotonic() + timeout
-    why = ""
-    while not why and any(p.poll() is None for p in procs):
-        if any(p.returncode for p in procs):
-            why = "a process failed"
-        elif time.monotonic() > deadline:
-            why = f"not done within {timeout:.0f}s"
-        else:
-            time.sleep(0.1)
+    why = _first_failure(procs, timeout)
     for p in procs:
         p.kill()
     for r in readers:
@@ -145,6 +137,19 @@ def run_all(procs: Sequence[subprocess.Popen], timeout: float, expect: str = "OK
             f"{p.args} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
             for p, (out, err) in zip(procs, outs)))
     return [out for out, _ in outs]
+
+
+def _first_failure(procs: Sequence[subprocess.Popen], timeout: float) -> str:
+    """Wait until every process exited (""), one failed, or ``timeout`` passed
+    (why, in words)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs):
+            return "a process failed"
+        if time.monotonic() > deadline:
+            return f"not done within {timeout:.0f}s"
+        time.sleep(0.1)
+    return ""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

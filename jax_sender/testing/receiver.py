@@ -20,10 +20,10 @@ import numpy as np
 from nccl_cffi import Communicator, cuda, numpy_dtype
 from uniqueid import InitInfo, SparseUpdateInfo, UpdateInfo, handshake
 
-from .._src.broadcaster import buffer_pointer
-from .._src.plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
-from .._src.routes import jax_device
-from .._src.sparse import Patch, apply, check_patch
+from .._src.core.broadcaster import buffer_pointer
+from .._src.core.routes import jax_device
+from .._src.core.tensors.plan import WIRE_DTYPES, LoadPlan, TensorMeta, check_alignment, plan_chunks
+from .._src.sparse.patches import Patch, apply, check_patch
 
 LoadWeights = Callable[[Iterable[tuple[str, jax.Array]]], None]
 

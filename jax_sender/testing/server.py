@@ -40,7 +40,7 @@ else:
 
 from uniqueid.wire import InitInfo, SparseUpdateInfo, UpdateInfo
 
-from .._src.plan import LoadPlan
+from .._src.core.tensors.plan import LoadPlan
 from .harness import gpu_env
 
 RPC_TIMEOUT = 3600.0

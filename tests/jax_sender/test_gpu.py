@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 
 def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
-    argv, env = child("gpu_scenarios", name, *args, env=gpu_env(gpu))
+    argv, env = child("children.gpu_scenarios", name, *args, env=gpu_env(gpu))
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -35,7 +35,7 @@ def run(name: str, *args: str, gpu: str = "0", timeout: float = 240) -> str:
 
 
 def start(name: str, *args: str, gpu: str) -> subprocess.Popen:
-    argv, env = child("gpu_scenarios", name, *args, env=gpu_env(gpu))
+    argv, env = child("children.gpu_scenarios", name, *args, env=gpu_env(gpu))
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
 
@@ -232,7 +232,7 @@ def test_m2n_into_vllms_m2n_engine(tmp_path):
         with VLLMServer("1,2", output=log.with_suffix(".out"), requests=log, m2n=True,
                         env={"NCCL_LIBRARY": nccl}) as url:
             for seed in ("1", "2"):  # a second trainer process into the same server
-                argv, env = child("gpu_scenarios", "m2n", url, seed,
+                argv, env = child("children.gpu_scenarios", "m2n", url, seed,
                                   env=dict(gpu_env("0"), NCCL_LIBRARY=nccl,
                                            LD_PRELOAD=nccl))  # JAX's own NCCL is older
                 out = subprocess.run(argv, env=env, capture_output=True, text=True,
@@ -279,7 +279,7 @@ def test_a_server_a_killed_trainer_left_inside_nccl_is_named_at_connect(tmp_path
     log = tmp_path / "requests.jsonl"
     try:
         with VLLMServer("1", output=log.with_suffix(".out"), requests=log) as url:
-            argv, env = child("gpu_scenarios", "killed_mid_push", url, env=gpu_env("0"))
+            argv, env = child("children.gpu_scenarios", "killed_mid_push", url, env=gpu_env("0"))
             with open(tmp_path / "trainer.err", "w") as err:
                 trainer = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err,
                                            text=True, cwd=ROOT)

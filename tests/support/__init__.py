@@ -1,6 +1,8 @@
-"""Support code for the tests: the in-memory link, loopback HTTP servers,
-and the rank processes of the GPU and multi-process tests (run as
-``python -m support.NAME`` with ``child``)."""
+"""Support code for the tests: servers and the in-memory link
+(``servers/``), code run in child processes (``children/``: the rank
+processes of the GPU and multi-process tests, run as
+``python -m support.children.NAME`` with ``child``), stand-ins for the CUDA
+driver and libnccl, and helpers."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def on_tests_path(env: dict[str, str]) -> dict[str, str]:
 
 
 def child(module: str, *args: str, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """argv and environment that run ``support.<module>`` in a child process
+    """argv and environment that run ``support.<module>`` (a dotted path
+    under ``support``, e.g. ``children.gpu_scenarios``) in a child process
     (from the repository root, where ``.vllm/`` is looked for), with
     ``on_tests_path(env)``."""
     return [sys.executable, "-m", f"support.{module}", *args], on_tests_path(env)

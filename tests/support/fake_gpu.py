@@ -1,4 +1,4 @@
-"""A stand-in for the GPU under ``jax_sender._src.broadcaster.Broadcaster``:
+"""A stand-in for the GPU under ``jax_sender._src.core.broadcaster.Broadcaster``:
 its CUDA streams, events and device-to-device copies, and its communicator's
 broadcasts, run on JAX's CPU buffers.
 

@@ -29,7 +29,7 @@ import numpy as np
 from nccl_cffi import NcclTimeoutError
 from uniqueid import UniqueId
 
-from support.m2n_fabric_worker import recv_frame, send_frame, uid_key
+from support.children.m2n_fabric_worker import recv_frame, send_frame, uid_key
 
 WAIT_S = 20.0
 
@@ -341,10 +341,10 @@ def m2n_sender_on(url: str, fabric: Fabric, params: Any, *, config: Any = None,
     import jax
 
     from jax_sender import Mapping, SendConfig
-    from jax_sender._src.describe import describe
-    from jax_sender._src.m2n_sender import M2NSender, plan_tensors, wire_params
-    from jax_sender._src.routes import M2NRoute
-    from jax_sender._src.session import Session
+    from jax_sender._src.core.session import Session
+    from jax_sender._src.core.tensors.describe import describe
+    from jax_sender._src.m2n.route import M2NRoute
+    from jax_sender._src.m2n.sender import M2NSender, plan_tensors, wire_params
     from uniqueid import VLLMClient
 
     config, mapping = config or SendConfig(init_timeout_s=60), mapping or Mapping()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 VLLM_PYTHON = "JAX_SENDER_VLLM_PYTHON"
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "children"  # the scripts it runs
 
 
 def interpreter() -> str:

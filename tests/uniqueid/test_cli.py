@@ -11,8 +11,8 @@ import pytest
 import nccl_cffi
 from uniqueid import cli
 
-from support.bad_http import BadServer, json_answer, silent
-from support.recorder import Recorder
+from support.servers.bad_http import BadServer, json_answer, silent
+from support.servers.recorder import Recorder
 
 HEALTHY = {"/get_world_size": (200, {"world_size": 2}), "/is_paused": (200, {"is_paused": False}),
            "/weight_info": (200, {"weight_version": "v0"}), "/version": (200, {"version": "0.33.0"})}

@@ -1,10 +1,10 @@
 """``uniqueid.connect`` and the release of servers, over real HTTP on loopback.
 
-The servers are ``support.memory_server.MemoryServer``: vLLM's routes and
+The servers are ``support.servers.memory_server.MemoryServer``: vLLM's routes and
 its worker rules (written from vLLM's code, not this library's), which
 record every request and each ``init_info`` they took, and can refuse a
 route (``fail``), hold it unanswered (``hold``) or report any worker count.
-Only the NCCL handshake is replaced: ``support.memory_link.MemoryJoin``, a
+Only the NCCL handshake is replaced: ``support.servers.memory_link.MemoryJoin``, a
 ``Joiner`` whose join succeeds at once, or ``WaitingJoin`` below, whose
 join waits like a blocking init for workers that never come. Everything
 else (world sizes, payloads, the init posts and their answers, deadlines,
@@ -43,8 +43,8 @@ from uniqueid import (
     world_sizes,
 )
 
-from support.memory_link import MemoryJoin
-from support.memory_server import MemoryServer
+from support.servers.memory_link import MemoryJoin
+from support.servers.memory_server import MemoryServer
 
 SLACK = 1.5  # seconds a deadline may be overrun on a loaded machine
 INIT = "/init_weight_transfer_engine"
