@@ -22,7 +22,6 @@ first, before any ``/update_weights``: the next push snapshots with them).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,11 +29,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import numpy as np
 
-from nccl_cffi import Deadline
-from uniqueid import UpdateInfo, VLLMClient, as_clients
-from uniqueid.http.fleet import call_all
+from uniqueid import UpdateInfo, as_clients
 
 from ..core import senders
 from ..core.broadcaster import parts_of
@@ -485,18 +481,8 @@ class WeightSender:
     def _checksums(self, params: Any) -> tuple[dict[str, str], dict[str, bool]]:
         """Each tensor's SHA-256 here, and by name whether every worker's matches."""
         metas, sources = describe(params, self.mapping)
-        get = self._place.getter(metas, sources)[0]
-        want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
-                for i, m in enumerate(metas)}
-        seen: dict[str, bool] = {}
-        answers = call_all(self.session.clients, VLLMClient.weight_checker, "checksum",
-                           deadline=Deadline(None))  # every server at once
-        for answer in answers:
-            for key, digest in answer["checksums"].items():
-                name = key.split(":", 4)[-1]
-                if name in want:
-                    seen[name] = seen.get(name, True) and digest == want[name]
-        return want, seen
+        return senders.checksums(self.session.clients, metas,
+                                 self._place.getter(metas, sources)[0])
 
     # -- lifetime: the session's (``core.senders``) -------------------------
     config = property(senders.config)

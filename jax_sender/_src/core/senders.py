@@ -11,16 +11,21 @@ one, and no backend imports another's.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
-from uniqueid import VLLMClient
+from nccl_cffi import Deadline
+from uniqueid import VLLMClient, as_clients
+from uniqueid.http.fleet import call_all
 
 from .broadcaster import Broadcaster
 from .config import SendConfig
-from .errors import MetadataError
+from .errors import MetadataError, TransferError
 from .fleet import DroppedServer, fleet_of
 from .routes import Route
 from .session import Session
@@ -66,6 +71,57 @@ def verdict(names: list[str], seen: dict[str, bool]) -> VerifyResult:
     return VerifyResult(matched=tuple(n for n in names if seen.get(n) is True),
                         mismatched=tuple(n for n in names if seen.get(n) is False),
                         unchecked=tuple(n for n in names if n not in seen))
+
+
+def checksums(clients: Sequence[VLLMClient], metas: Sequence[TensorMeta],
+              get: Callable[[int], Any]) -> tuple[dict[str, str], dict[str, bool]]:
+    """Each tensor's SHA-256 here (of ``get(i)``'s C-order bytes, vLLM's
+    ``/weight_checker`` rule), and by name whether every worker of every
+    server that reports it holds the same (the servers asked at once).
+
+    Args:
+        clients: the servers.
+        metas: the tensors.
+        get: tensor ``i`` as pushed.
+
+    Returns:
+        The digests here, by name; and by name, whether the workers' match.
+
+    Raises:
+        RendezvousError: a server did not answer as vLLM does.
+    """
+    want = {m.name: hashlib.sha256(np.asarray(get(i)).tobytes(order="C")).hexdigest()
+            for i, m in enumerate(metas)}
+    seen: dict[str, bool] = {}
+    for answer in call_all(clients, VLLMClient.weight_checker, "checksum", deadline=Deadline(None)):
+        for key, digest in answer["checksums"].items():
+            name = key.split(":", 4)[-1]
+            if name in want:
+                seen[name] = seen.get(name, True) and digest == want[name]
+    return want, seen
+
+
+def one_server(servers: Servers, what: str) -> list[VLLMClient]:
+    """The one server's client, for a sender that takes one deployment.
+
+    Args:
+        servers: a URL, a client, or a list of either.
+        what: the sender, for the error (``"an M2N group"``).
+
+    Returns:
+        ``[client]``.
+
+    Raises:
+        TransferError: not one server (the clients made here are closed).
+        ValueError: a URL that is not http(s).
+    """
+    clients = as_clients(servers)
+    if len(clients) != 1:
+        for c in clients:
+            c.close()
+        raise TransferError(f"{what} takes one vLLM server (one deployment), got {len(clients)}: "
+                            "make one sender per server")
+    return clients
 
 
 def check_push(weight_version: Any, pause: Any, metadata: Any) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from nccl_cffi import NCCL_TYPES, Deadline, poll_until
 from nccl_cffi.m2n import DistTensor
-from uniqueid import RendezvousError, VLLMClient, as_clients
+from uniqueid import RendezvousError, VLLMClient
 from uniqueid.http.fleet import call_all
 from uniqueid.m2n.agreement import REPLICATE, M2NMesh, M2NWireParam
 from uniqueid.m2n.plan import resolve_layout, validate_layout
@@ -196,7 +196,7 @@ class M2NSender:
         """
         ordinal, jax_dev = usable_device(device)
         processes, process = jax.process_count(), jax.process_index()
-        clients = _one_server(servers) if process == 0 else []
+        clients = senders.one_server(servers, "an M2N group") if process == 0 else []
         descriptions = Descriptions(mapping, jax_dev, None)
         metas, sources = descriptions.of(params)
         tensors = plan_tensors(metas, sources, mapping, processes, process)
@@ -401,18 +401,6 @@ class M2NSender:
             NcclError: NCCL refused this process's new init.
         """
         self.session.reconnect()
-
-
-def _one_server(servers: Servers) -> list[Any]:
-    """The one server's client (an M2N group is one deployment)."""
-    clients = as_clients(servers)
-    if len(clients) != 1:
-        for c in clients:
-            c.close()
-        raise TransferError(
-            f"an M2N group takes one vLLM server (one deployment), got {len(clients)}: make one "
-            "M2NSender per server")
-    return clients
 
 
 def _full(mapping: Mapping, path: Any, array: Any) -> np.ndarray:
