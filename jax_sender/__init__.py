@@ -1,4 +1,4 @@
-"""Push JAX arrays into vLLM workers over NCCL, with no torch.
+"""Push JAX arrays into vLLM workers over NCCL or CUDA IPC, with no torch.
 
 The public names are these; everything under ``jax_sender._src`` is
 internal. Names load on first use, so ``python -m jax_sender.demo`` can say
@@ -30,10 +30,12 @@ _HOMES = {
     "broadcast.sender": ("WeightSender",),
     "sparse.sender": ("SparseSender",),
     "m2n.sender": ("M2NSender",),
+    "ipc.sender": ("IPCSender",),
 }
 _EXPORTS = {name: home for home, names in _HOMES.items() for name in names}
 __all__ = [
-    "LLAMA", "WIRE_DTYPES", "Chunk", "DroppedServer", "GatherTimeout", "LoadPlan", "M2NSender",
+    "LLAMA", "WIRE_DTYPES", "Chunk", "DroppedServer", "GatherTimeout", "IPCSender", "LoadPlan",
+    "M2NSender",
     "Mapping", "MetadataError",
     "PendingSend", "SendConfig", "SendError", "SendStats", "SenderClosed",
     "SparseSender", "TensorMeta", "TransferError", "UpdateIncomplete", "VerifyResult",
@@ -73,6 +75,7 @@ if TYPE_CHECKING:
         tunix_qwen2,
         tunix_qwen3,
     )
+    from ._src.ipc.sender import IPCSender
     from ._src.m2n.sender import M2NSender
     from ._src.sparse.sender import SparseSender
 

@@ -38,7 +38,9 @@ def python_sigint():
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu4" in item.keywords and not FOUR_RANKS:
+        if "gpu1" in item.keywords and GPUS < 1:
+            item.add_marker(pytest.mark.skip(reason="needs one CUDA GPU, found 0"))
+        elif "gpu4" in item.keywords and not FOUR_RANKS:
             item.add_marker(pytest.mark.skip(
                 reason=f"needs 4 GPUs (or fewer with {SHARE_GPUS}=2 or 1), found {GPUS}"))
         elif "gpu" in item.keywords and not TWO_RANKS:

@@ -244,19 +244,25 @@ class VLLMServer:
     weight-sync routes over its real NCCL engine (``.vllm/server.py --nccl``)
     on one GPU; with ``sparse=True``, over its ``sparse_nccl`` engine
     (``vllm_sparse.py``); with ``m2n=True``, over its ``nccl_m2n`` engine in
-    one tensor-parallel worker per GPU of ``gpu`` ("1,2": ``vllm_m2n.py``).
+    one tensor-parallel worker per GPU of ``gpu`` ("1,2": ``vllm_m2n.py``);
+    with ``ipc=True``, over its ``ipc`` engine likewise ("0,0": two workers
+    on one GPU; ``vllm_ipc.py``, ``args`` added to its command line).
     ``output`` gets its stdout and stderr, ``requests`` one JSON line per
     request; ``env`` adds to the server's environment."""
 
     def __init__(self, gpu: str, *, output: pathlib.Path, requests: pathlib.Path,
-                 sparse: bool = False, m2n: bool = False, tree: pathlib.Path = VLLM_TREE,
-                 start_timeout: float = 180.0, env: dict[str, str] | None = None):
+                 sparse: bool = False, m2n: bool = False, ipc: bool = False,
+                 tree: pathlib.Path = VLLM_TREE, start_timeout: float = 180.0,
+                 env: dict[str, str] | None = None, args: Sequence[str] = ()):
         self.gpu, self.output, self.requests = gpu, output, requests
-        self.extra_env = env or {}
+        self.extra_env, self.ipc, self.args = env or {}, ipc, list(args)
         self.sparse, self.m2n, self.tree, self.start_timeout = sparse, m2n, tree, start_timeout
         self.proc: subprocess.Popen | None = None
 
     def _command(self) -> list[str]:
+        if self.ipc:
+            return [sys.executable, "-m", "jax_sender.testing.vllm_ipc", str(self.tree),
+                    "--gpus", self.gpu, *self.args]
         if self.m2n:  # one tensor-parallel worker per GPU in ``gpu`` ("1,2")
             return [sys.executable, "-m", "jax_sender.testing.vllm_m2n", str(self.tree),
                     "--gpus", self.gpu]
@@ -267,7 +273,8 @@ class VLLMServer:
     def __enter__(self) -> str:
         import httpx
         port = free_port()
-        env = {**(child_env() if self.m2n else gpu_env(self.gpu)), **self.extra_env}
+        env = {**(child_env() if self.m2n or self.ipc else gpu_env(self.gpu)),
+               **self.extra_env}
         cmd = self._command()
         with open(self.output, "w") as out:
             self.proc = subprocess.Popen(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import json as jsonlib
 import zlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlencode, urlsplit
@@ -305,7 +305,8 @@ class VLLMClient:
         return await self._call(method, route, json=json, params=params, timeout=timeout)
 
     async def _call(self, method: str, route: str, *, json: Any = None,
-                    params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+                    params: dict[str, Any] | Sequence[tuple[str, Any]] | None = None,
+                    timeout: float | None = None) -> Any:
         seconds = self.timeout if timeout is None else _seconds("timeout", timeout)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
@@ -658,3 +659,100 @@ class VLLMClient:
             check("mismatches", lambda v: isinstance(v, list) and all(
                 isinstance(s, str) for s in v), "a list of names")
         return answer
+
+    # -- colocation: what the server is, and its memory (vLLM's dev routes) --
+    @_route
+    async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``GET /server_info?config_format=json``: the server's config
+        (``vllm_config``, its weight-transfer backend included) and its
+        ``VLLM_*`` environment (``vllm_env``), from vLLM's API process.
+
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None (the
+                first call gathers the host's environment: seconds).
+
+        Returns:
+            vLLM's answer: ``{"vllm_config": {...}, "vllm_env": {...}, ...}``.
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        answer = await self._call("GET", "/server_info", params={"config_format": "json"},
+                                  timeout=timeout)
+        for key in ("vllm_config", "vllm_env"):
+            self._field("GET", "/server_info", answer, key, lambda v: isinstance(v, dict),
+                        "an object")
+        return answer
+
+    @_route
+    async def sleep(self, level: int = 1, mode: str = "abort", *,
+                    timeout: float | None = None) -> Any:
+        """``POST /sleep``: free the GPU memory generation holds, for the
+        trainer's step (level 1: offload the weights to the host and drop
+        the KV cache; level 2: drop both).
+
+        Args:
+            level: 0, 1 or 2, as vLLM's router takes it.
+            mode: what happens to requests in flight: ``abort``, ``wait``, ``keep``.
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            vLLM's answer (``{"status": "sleeping", "level": level}``).
+
+        Raises:
+            ValueError: a level or mode vLLM's router refuses.
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode must be abort, wait or keep, got {mode!r}")
+        return await self._call("POST", "/sleep", params={"level": level, "mode": mode},
+                                timeout=self._long(timeout))
+
+    @_route
+    async def wake_up(self, tags: Sequence[str] | None = None, *,
+                      timeout: float | None = None) -> bool:
+        """``POST /wake_up``: take the memory back, all of it or by tag
+        (``weights`` before a push, ``kv_cache`` after it).
+
+        Args:
+            tags: vLLM's memory tags to wake (``weights``, ``kv_cache``);
+                None wakes everything.
+            timeout: the call's deadline; ``self.transfer_timeout`` when None.
+
+        Returns:
+            Whether the engine is fully awake now.
+
+        Raises:
+            ValueError: a tag that is not a non-empty str.
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags or ()):
+            raise ValueError(f"tags must be a list of names such as 'weights', got {tags!r}")
+        answer = await self._call("POST", "/wake_up", params=[("tags", t) for t in tags or ()],
+                                  timeout=self._long(timeout))
+        status = self._field("POST", "/wake_up", answer, "status",
+                             lambda v: v in ("awake", "sleeping"), "awake or sleeping")
+        return status == "awake"
+
+    @_route
+    async def is_sleeping(self, *, timeout: float | None = None) -> bool:
+        """``GET /is_sleeping``, answered by the engine core.
+
+        Args:
+            timeout: the call's deadline; ``self.timeout`` when None.
+
+        Returns:
+            Whether the engine sleeps (some of its memory is released).
+
+        Raises:
+            VLLMHTTPError, VLLMTimeout, VLLMConnectionError,
+            VLLMProtocolError: as ``request``.
+        """
+        answer = await self._call("GET", "/is_sleeping", timeout=timeout)
+        return self._field("GET", "/is_sleeping", answer, "is_sleeping",
+                           lambda v: isinstance(v, bool), "true or false")

@@ -79,6 +79,9 @@ class Round:
         fill: what completes part ``k`` after the feed failed, where the
             workers' loader needs more than scratch bytes (sparse patches:
             distinct indices); None: scratch bytes.
+        staged: the workers read the bytes by handles the update carries
+            (CUDA IPC), so the feed places them first and returns the
+            update to post (``update`` is unused); the round has no broadcasts.
     """
 
     update: dict[str, Any]
@@ -86,6 +89,7 @@ class Round:
     parts: list[Part]
     feed: Feed
     fill: Fill | None = None
+    staged: bool = False
 
 
 @dataclass(kw_only=True)
@@ -280,6 +284,9 @@ class Transaction:
             self.left_open = True
 
     def _round(self, r: Round) -> None:
+        if r.staged:
+            self._staged(r)
+            return
         p = self.push
         self.announced = True  # before posting: an interrupt in between must abort
         calls = self.control.update(r.update, p.update_timeout_s)
@@ -296,6 +303,34 @@ class Transaction:
             return
         if self.failure is None:
             self._tally(calls)
+
+    def _staged(self, r: Round) -> None:
+        """A round whose update names bytes the trainer placed before
+        posting it (CUDA IPC: a worker maps them as the update reaches
+        it). The feed stages them on the lane and returns the update; a
+        feed that fails on the trainer's side sent nothing of the round, so
+        the push winds down with no further round."""
+        timeout, made = self.push.timeout_s, []
+        staged = self._sent = self.lane.run(
+            lambda c: made.append(r.feed(self.broadcaster, timeout, c)), self.check)
+        try:
+            await_future(staged, None, self.check)  # the feed's waits have their deadlines
+            staged.result()
+        except BaseException as e:
+            if aborts(e) or not self._lane_failed(e):
+                raise
+            self.failure = e
+            return
+        self.announced = True
+        calls = self.control.update(made[0], self.push.update_timeout_s)
+        if not await_future(calls.settled, time.monotonic() + self.push.update_timeout_s,
+                            lambda: (self.check(), calls.raise_first())):
+            raise RendezvousTimeout(
+                f"{calls.named(calls.pending(), '/update_weights')} did not answer within "
+                f"{self.push.update_timeout_s}s: a worker is stuck loading the weights")
+        calls.raise_first()
+        self._span = staged.result() - self.broadcaster.started if self.broadcaster.started else 0.0
+        self._tally(calls)
 
     def _broadcast(self, feed: Feed, calls: Calls[Any]) -> None:
         """Run ``feed`` on the lane while the workers receive in

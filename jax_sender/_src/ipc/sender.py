@@ -1,0 +1,350 @@
+"""``IPCSender``: push a JAX model into a vLLM server on the same GPUs, by
+CUDA IPC (vLLM's ``ipc`` weight-transfer backend), with no NCCL and no torch.
+
+Where the trainer and vLLM take turns on one node's GPUs (the rollout, then
+the training step), vLLM's workers map the trainer's memory: each update
+carries handles (torch's pickled ``rebuild_cuda_tensor`` arguments, keyed by
+GPU UUID) to bytes this process placed in buffers of its own
+(``staging.py``), and the workers load from there. ``send`` reads top to
+bottom like ``WeightSender.send``: check the arguments, take the session's
+turn, describe the arrays (checked before anything reaches the server),
+order them for vLLM's views, plan the chunks, refuse what the GPU's free
+memory cannot stage, then hand the push to the session, whose transaction
+stages each chunk and posts its ``/update_weights`` after it (a *staged*
+round, ``core/push.py``). The session's admission, deadlines, Ctrl-C,
+failure handling, ``reconnect()``, ``close()`` and ``send(wait=False)`` are
+every sender's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from nccl_cffi import CudaError, cuda
+from nccl_cffi.dtypes import NCCL_TYPES
+from nccl_cffi.ipc import CudaIPC
+from nccl_cffi.waiting import Check
+from uniqueid.ipc.counters import SLOTS
+from uniqueid.ipc.join import IPCConnection, Memory
+
+from ..core import senders
+from ..core.config import SendConfig
+from ..core.errors import MetadataError, TransferError
+from ..core.push import PreparedPush, Round
+from ..core.routes import jax_device, sender_device
+from ..core.senders import Servers, VerifyResult, check_push
+from ..core.session import PendingSend, Session, Ticket
+from ..core.snapshot import copied
+from ..core.stats import SendStats
+from ..core.tensors.describe import Descriptions, Placement, Sources, describe, on_device, readiness
+from ..core.tensors.naming import Mapping
+from ..core.tensors.plan import Chunk, TensorMeta
+from .route import IPCRoute
+from .staging import Get, Stager, chunks, layout, update_of
+
+log = logging.getLogger("jax_sender")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Staged:
+    """One round of an IPC push, on the lane: stage the chunk in every
+    buffer, then give the update that names it (``Round.staged``)."""
+
+    metas: Sequence[TensorMeta]
+    chunk: Chunk
+    get: Get
+    packed: bool
+    begin: int | None  # the push's first round: the buffers' size; later rounds None
+
+    def __call__(self, stager: Stager, timeout: float, check: Check) -> Any:
+        if self.begin is not None:
+            stager.begin(self.begin, timeout, check)
+        stager.stage(self.metas, self.chunk, self.get, timeout, check)
+        exports = stager.exports(self.metas, self.chunk, self.packed)
+        return update_of(self.metas, self.chunk, exports, packed=self.packed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """A push's layout, kept while its metadata is the same object."""
+
+    metas: list[TensorMeta]  # as described
+    order: list[int]  # the wire order, as indices into ``metas``
+    wire: list[TensorMeta]  # ``metas`` in that order
+    chunks: list[Chunk]
+    nbytes: int  # what each buffer must hold
+
+
+class IPCSender:
+    """The trainer's side of a vLLM server started with ``{"backend":"ipc"}``
+    on this process's GPUs. Build it with ``connect``.
+
+    Args:
+        session: the connection and its pushes.
+        mapping: names and transforms.
+        devices: per CUDA ordinal this process may export from, JAX's device.
+    """
+
+    def __init__(self, session: Session, *, mapping: Mapping, devices: dict[int, jax.Device]):
+        self.session = session
+        self.mapping = mapping
+        self.devices = devices
+        self.device = next(iter(devices.values()))
+        self._descriptions = Descriptions(mapping, self.device, None)
+        self._plan: _Plan | None = None
+        self._staged = 0  # the largest buffer a push asked for (the free-memory check's base)
+        session.on_reset.append(self._forget_staging)
+
+    def _forget_staging(self, aborted: bool) -> None:
+        """The connection was given up: its buffers go with it."""
+        self._staged = 0
+
+    @classmethod
+    def connect(cls, server: Servers, *, devices: Sequence[int] | None = None,
+                mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
+                memory: Memory | None = None) -> IPCSender:
+        """Join a colocated ``ipc`` server: the checks, an empty probe update
+        (every worker maps this process's memory and releases it; which GPU
+        each is on), the init (see ``uniqueid.ipc.join``).
+
+        Args:
+            server: the server's URL or ``VLLMClient`` (one deployment).
+            devices: the CUDA ordinals to export from (each must host a
+                worker); default every GPU JAX sees here, those hosting a
+                worker kept.
+            mapping: names and transforms the pytree's leaves.
+            config: every setting (``packed``, ``buffer_size_bytes``: each
+                GPU's staging buffer; the timeouts).
+            memory: the GPU's side (default ``nccl_cffi.ipc.CudaIPC()``).
+
+        Returns:
+            The sender.
+
+        Raises:
+            TransferError: JAX has no GPU here (or fell back to the CPU),
+                not one server, or a packed buffer larger than a GPU's free
+                memory (nothing reached the server).
+            RendezvousError: the server is not on the ``ipc`` backend,
+                refuses pickles, has a worker on a GPU this process holds
+                none of, or cannot map this process's memory (one sentence
+                each; it is left released).
+            ServerStuck: its engine does not answer.
+        """
+        jax_devs = usable_gpus(devices)
+        memory = memory or CudaIPC()
+        if config.packed:
+            _check_room(memory, list(jax_devs), config.buffer_size_bytes, 0)
+        return open_ipc_sender(senders.one_server(server, "an IPC sender"), jax_devs, mapping=mapping,
+                               config=config, memory=memory, strict_devices=devices is not None)
+
+    # -- the push ------------------------------------------------------------
+    def send(self, params: Any, *, weight_version: str | None = None, pause: str | None = None,
+             wait: bool = True) -> SendStats | PendingSend:
+        """Push ``params`` (a pytree, or ``(name, array)`` pairs) to every worker.
+
+        Args:
+            params: the arrays (on any of this process's GPUs, or sharded
+                over them: each worker's GPU gets its copy on device).
+            weight_version: stamped on the server when the push finishes.
+            pause: ``"abort"``/``"wait"``/``"keep"`` pauses generation for
+                the push and resumes it after.
+            wait: False returns a ``PendingSend`` once private copies of the
+                arrays are dispatched (a later step may donate them), the
+                push running in the background; a push whose arrays are
+                not all on this sender's first device runs blocking.
+
+        Returns:
+            The push's ``SendStats``, or its ``PendingSend``.
+
+        Raises:
+            MetadataError: nothing was sent (bad arguments or arrays).
+            TransferError: nothing was sent: more staging than the GPU has free.
+            UpdateIncomplete, SendError, SenderClosed, KeyboardInterrupt:
+                as ``WeightSender.send``.
+        """
+        t0 = time.perf_counter()
+        check_push(weight_version, pause, None)
+        return self.session.in_turn(functools.partial(
+            self._push, params, weight_version=weight_version, pause=pause, wait=wait, t0=t0))
+
+    def _push(self, params: Any, ticket: Ticket, *, weight_version: str | None,
+              pause: str | None, wait: bool, t0: float) -> SendStats | PendingSend:
+        """``send`` in the caller's turn: describe, plan, check the room, run."""
+        metas, sources = self._descriptions.of(params)
+        plan = self._planned(metas)
+        self._check(plan)
+        copies = None if wait or not on_device(sources, self.device) else copied(
+            sources, range(len(sources)), self.device)
+        push = self._prepared(plan, sources if copies is None else copies)
+        push.weight_version, push.pause = weight_version, pause
+        push.stats.prepare_s = time.perf_counter() - t0
+        return self.session.run(ticket, push, background=copies is not None, t0=t0)
+
+    def _planned(self, metas: list[TensorMeta]) -> _Plan:
+        """The wire order (by decreasing itemsize: every view aligned) and
+        the chunks, kept while the description is the same object."""
+        if self._plan is not None and self._plan.metas is metas:
+            return self._plan
+        order = sorted(range(len(metas)), key=lambda i: -NCCL_TYPES[metas[i].dtype][1])
+        wire = [metas[i] for i in order]
+        if self.session.info.packed:
+            cut = chunks(wire, self.session.config.buffer_size_bytes)
+            nbytes = max((c.nbytes for c in cut), default=0)
+        else:
+            cut = [layout(wire)]
+            nbytes = cut[0].nbytes
+        self._plan = _Plan(metas=metas, order=order, wire=wire, chunks=cut, nbytes=nbytes)
+        return self._plan
+
+    def _check(self, plan: _Plan) -> None:
+        """Refuse, before any request, what the staging cannot hold."""
+        conn: IPCConnection = self.session.connection
+        packed = self.session.info.packed
+        need = len(conn.ranks) * (1 if packed else len(plan.wire))
+        if need > SLOTS:
+            raise MetadataError(
+                f"an unpacked push of {len(plan.wire)} tensors to {len(conn.ranks)} workers "
+                f"needs {need} IPC exports, more than the {SLOTS} a ref-counter file holds: "
+                "connect with SendConfig(packed=True)")
+        _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, self._staged)
+        self._staged = max(self._staged, plan.nbytes)
+
+    def _prepared(self, plan: _Plan, sources: Sources) -> PreparedPush:
+        """The push's rounds (one per chunk), figures and deadlines."""
+        config, packed = self.session.config, self.session.info.packed
+        get = self._getter(plan, sources)
+        rounds = [Round(update={}, root=0, parts=[], staged=True,
+                        feed=Staged(metas=plan.wire, chunk=c, get=get, packed=packed,
+                                    begin=plan.nbytes if k == 0 else None))
+                  for k, c in enumerate(plan.chunks)]
+        nbytes = sum(m.nbytes for m in plan.wire)
+        largest = max((c.nbytes for c in plan.chunks), default=0)
+        timeout = config.wait_timeout_s(largest)
+        stats = SendStats(bytes=nbytes, tensors=len(plan.wire), chunks=len(rounds),
+                          packed=packed, reused_metadata=False)
+        return PreparedPush(rounds=rounds, stats=stats, timeout_s=timeout,
+                            update_timeout_s=timeout + config.wait_timeout_s(largest),
+                            ready=readiness(sources))
+
+    def _getter(self, plan: _Plan, sources: Sources) -> Get:
+        """Wire tensor ``i`` on a device, transformed, computed."""
+        wait_s = self.session.config.wait_timeout_s
+        gets = {d: Placement(mapping=self.mapping, device=d, wait_timeout_s=wait_s).getter(
+            plan.metas, sources)[0] for d in self.devices.values()}
+        order = plan.order
+        return lambda i, device: gets[device](order[i])
+
+    # -- checking a push -----------------------------------------------------
+    def verify(self, params: Any) -> VerifyResult:
+        """Compare what the workers hold with ``params``, through vLLM's
+        ``/weight_checker`` (its SHA-256 of each tensor's bytes, on every
+        worker); waits for a push in flight first.
+
+        Args:
+            params: what was pushed.
+
+        Returns:
+            Which tensors match, differ, or cannot be checked.
+
+        Raises:
+            MetadataError, SenderClosed, SendError, RendezvousError: as
+                ``WeightSender.verify``.
+        """
+        def checked(_: Ticket) -> tuple[dict[str, str], dict[str, bool]]:
+            metas, sources = describe(params, self.mapping)
+            get = Placement(mapping=self.mapping, device=self.device,
+                            wait_timeout_s=self.session.config.wait_timeout_s).getter(
+                metas, sources)[0]
+            return senders.checksums(self.session.clients, metas, get)
+        want, seen = self.session.in_turn(checked)
+        return senders.verdict(list(want), seen)
+
+    # -- lifetime: the session's (``core.senders``), one server ---------------
+    config = property(senders.config)
+    broken = property(senders.broken)
+    servers = property(senders.servers)
+    reconnect = senders.reconnect
+    close = senders.close
+    __enter__ = senders.enter
+    __exit__ = senders.exit_
+
+
+def usable_gpus(devices: Sequence[int] | None) -> dict[int, jax.Device]:
+    """The trainer's GPUs, checked before anything reaches a server: each
+    ordinal of ``devices`` (default: every GPU JAX sees), with JAX's device.
+
+    Raises:
+        TransferError: JAX runs on the CPU (one sentence, with the likely
+            cause), has no such GPU, or the driver cannot use one.
+    """
+    if jax.default_backend() == "cpu":
+        raise TransferError(
+            "JAX runs on the CPU here, and a colocated push exports GPU memory: install JAX with "
+            "CUDA (pip install 'jax-vllm-nccl[cuda13]'); if it is installed, JAX fell back to "
+            "the CPU: set only one of XLA_PYTHON_CLIENT_MEM_FRACTION and "
+            "XLA_CLIENT_MEM_FRACTION, and check CUDA_VISIBLE_DEVICES")
+    ordinals = list(devices) if devices is not None else [
+        d.local_hardware_id for d in jax.local_devices(backend="gpu")]
+    out = {}
+    for ordinal in ordinals or [sender_device(None)]:
+        out[ordinal] = jax_device(ordinal)
+        try:
+            cuda.check_device(ordinal)
+        except CudaError as e:
+            raise TransferError(str(e)) from e
+    return out
+
+
+def _check_room(memory: Memory, ordinals: list[int], nbytes: int, staged: int) -> None:
+    """Refuse staging a GPU's free memory cannot hold (beyond ``staged``,
+    what the current buffer already has), before anything reaches a server.
+
+    Raises:
+        TransferError: not enough free memory, with the sizes and the fixes.
+    """
+    grow = nbytes - staged
+    for ordinal in ordinals:
+        free = memory.free_bytes(ordinal)
+        if grow > free:
+            raise TransferError(
+                f"the IPC staging buffer needs {nbytes / 2**30:.2f} GiB on GPU {ordinal}, which "
+                f"has {free / 2**30:.2f} GiB free: push packed with a smaller "
+                "SendConfig(buffer_size_bytes=...), let JAX take less "
+                "(XLA_PYTHON_CLIENT_MEM_FRACTION) or let vLLM sleep during the push")
+
+
+def open_ipc_sender(clients: list[Any], devices: dict[int, jax.Device], *, mapping: Mapping,
+                    config: SendConfig, memory: Memory, strict_devices: bool) -> IPCSender:
+    """Join the server (``IPCRoute.form``, within ``config.init_timeout_s``)
+    and hold it in a session whose rounds stage through ``memory``; the
+    client is closed if that fails. ``connect`` after its checks (tests
+    give CPU devices and a stand-in ``memory``).
+
+    Args:
+        clients: the server's client, alone.
+        devices: per CUDA ordinal this process may export from, JAX's device.
+        mapping: names and transforms.
+        config: every setting.
+        memory: the GPU's side.
+        strict_devices: refuse a device no worker is on.
+
+    Returns:
+        The sender.
+    """
+    route = IPCRoute(clients=clients, devices=list(devices), config=config, memory=memory,
+                     strict_devices=strict_devices)
+    try:
+        conn = route.form(config.init_timeout_s)
+    except BaseException:
+        clients[0].close()
+        raise
+    session = Session(route, conn, config, broadcaster=lambda c: Stager(
+        c, {o: devices[o] for o in c.uuids}))
+    return IPCSender(session, mapping=mapping, devices=devices)

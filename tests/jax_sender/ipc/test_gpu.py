@@ -1,0 +1,77 @@
+"""The colocated push on a GPU: vLLM 0.33.0's real ``IPCWeightTransferEngine``
+in two tensor-parallel workers on the trainer's own GPU (``vllm_ipc.py``),
+the trainer a child process on that GPU (``support.children.ipc_scenarios``).
+No NCCL anywhere in the push. Every server is killed with its process group.
+"""
+
+import subprocess
+
+import pytest
+
+from jax_sender.testing.harness import VLLMServer, gpu_env, vllm_available
+from uniqueid import redact
+
+from support import ROOT, child
+
+pytestmark = pytest.mark.gpu1
+
+
+def run(name: str, *args: str, timeout: float = 300) -> str:
+    argv, env = child("children.ipc_scenarios", name, *args, env=gpu_env("0"))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK" in out.stdout
+    return out.stdout
+
+
+def server(tmp_path, *args: str, env: dict | None = None) -> VLLMServer:
+    if not vllm_available():
+        pytest.skip("vLLM 0.33.0's tree (.vllm/) is not importable here")
+    log = tmp_path / "requests.jsonl"
+    return VLLMServer("0,0", output=log.with_suffix(".out"), requests=log, ipc=True, args=args,
+                      env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})})
+
+
+def shown(tmp_path) -> None:
+    out = tmp_path / "requests.out"
+    print("vLLM server output:", redact(out.read_text()[-4000:]) if out.exists() else "none")
+
+
+@pytest.fixture(scope="module")
+def ipc_server(tmp_path_factory):
+    """One server for the tests that leave it ready for the next."""
+    folder = tmp_path_factory.mktemp("ipc")
+    with server(folder) as url:
+        yield url
+    shown(folder)
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_ipc_push_into_vllms_ipc_engine(ipc_server, mode):
+    print(run("push", ipc_server, mode, "2"))
+
+
+def test_ipc_soak_of_100_pushes(ipc_server):
+    print(run("soak", ipc_server, "100", timeout=500))
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_ipc_a_workers_load_failure_then_the_same_server(tmp_path, mode):
+    try:
+        with server(tmp_path, "--fail-load-after", "3") as url:
+            print(run("load_fails", url, mode))
+    finally:
+        shown(tmp_path)
+
+
+@pytest.mark.parametrize("args, env, why", [
+    (("--backend", "nccl"), {}, "needs vLLM's ipc backend"),
+    ((), {"VLLM_ALLOW_INSECURE_SERIALIZATION": "0"}, "VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+])
+def test_ipc_refusals_before_the_server_is_touched(tmp_path, args, env, why):
+    try:
+        with server(tmp_path, *args, env=env) as url:
+            print(run("refused", url, why))
+    finally:
+        shown(tmp_path)

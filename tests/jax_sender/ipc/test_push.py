@@ -1,0 +1,196 @@
+"""``IPCSender`` against vLLM 0.33.0's real ``ipc`` worker engine, on CPU.
+
+Two tensor-parallel workers (``jax_sender.testing.vllm_ipc --cpu``) run
+vLLM's ``IPCWeightTransferEngine`` behind vLLM's routes; the trainer's
+handles, their pickle, the ref-counter file, the probe, the payloads and
+every HTTP call are the real ones on both sides. Only the CUDA calls are
+replaced, on both sides, by host shared memory (``support.ipc_fabric``):
+the workers read the very bytes the trainer staged, and give each export
+back in the trainer's ref-counter file as torch's receiver does. The
+weights are checked by vLLM's own ``/weight_checker`` digests.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_sender import SendConfig, SendError, TransferError
+from jax_sender._src.core.tensors.naming import Mapping
+from jax_sender._src.ipc.sender import open_ipc_sender
+from jax_sender.testing.harness import free_port
+from uniqueid import RendezvousError, VLLMClient
+
+from support import ROOT, on_tests_path
+from support.ipc_fabric import FabricMemory, uuid_of
+from support.vllm_children import interpreter
+
+CPU = jax.devices("cpu")[0]
+
+
+@contextlib.contextmanager
+def ipc_server(tmp_path, *args: str, gpus: str = "0,0", pickles: bool = True):
+    """vLLM's ipc engine in one worker per entry of ``gpus``, on CPU."""
+    python = interpreter()
+    port, log = free_port(), tmp_path / "requests.jsonl"
+    env = on_tests_path(dict(os.environ, PYTHONUNBUFFERED="1",
+                             VLLM_ALLOW_INSECURE_SERIALIZATION="1" if pickles else "0"))
+    proc = subprocess.Popen(
+        [python, "-m", "jax_sender.testing.vllm_ipc", "--port", str(port), "--log", str(log),
+         "--cpu", "--gpus", gpus, "--plane", "support.ipc_fabric:", *args],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+    end = time.monotonic() + 240
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                httpx.get(url + "/get_world_size", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < end, "vLLM's IPC server did not start within 240 s"
+                time.sleep(0.5)
+        yield url, log
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ipc_server(tmp_path_factory.mktemp("ipc")) as served:
+        yield served
+
+
+def sender_on(url: str, memory: FabricMemory, **config):
+    return open_ipc_sender([VLLMClient(url)], {0: CPU}, mapping=Mapping(),
+                           config=SendConfig(**config), memory=memory, strict_devices=False)
+
+
+def tree(seed: int) -> dict:
+    """Every wire dtype, a 0-d and an empty tensor, odd shapes, one larger
+    than a 4 KiB buffer."""
+    rng = np.random.default_rng(seed)
+    f = lambda shape, dtype: jnp.asarray(rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+                                         .astype(dtype))
+    return {
+        "big": f((40, 33), np.float32),
+        "a.bf16": f((7, 13), ml_dtypes.bfloat16), "a.fp16": f((33,), np.float16),
+        "a.fp8": f((129,), ml_dtypes.float8_e4m3fn), "a.scalar": jnp.float32(seed + 0.5),
+        "a.empty": jnp.zeros((0, 5), jnp.bfloat16),
+        "b.i32": jnp.asarray(rng.integers(-2**31, 2**31 - 1, 11, dtype=np.int64).astype(np.int32)),
+        "b.i8": jnp.asarray(rng.integers(-128, 127, 61).astype(np.int8)),
+        "b.u8": jnp.asarray(rng.integers(0, 255, 17).astype(np.uint8)),
+        "c.f32": f((5, 3, 2), np.float32),
+    }
+
+
+def digests(params: dict, ranks: int) -> dict[str, str]:
+    return {f"dp0:pp0:pcp0:tp{r}:{n}": hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+            for n, a in params.items() for r in range(ranks)}
+
+
+def holds(sender, params: dict, ranks: int = 2) -> bool:
+    """Every worker holds ``params`` exactly, by vLLM's own digests (a tensor
+    another test pushed to the shared server may be there too)."""
+    held = sender.session.clients[0].weight_checker("checksum")["checksums"]
+    want = digests(params, ranks)
+    return {k: held.get(k) for k in want} == want
+
+
+def released(sender) -> None:
+    sender.session.connection.comm.counters.wait(range(10_000), 10.0, "the test's exports")
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_pushes_are_bit_exact_on_both_workers_and_release_every_export(server, packed):
+    url, log = server
+    memory = FabricMemory()
+    with sender_on(url, memory, packed=packed, buffer_size_bytes=4096) as sender:
+        conn = sender.session.connection
+        assert conn.ranks == [uuid_of(0), uuid_of(0)] and conn.uuids == {0: uuid_of(0)}
+        for seed in (1, 2):
+            stats = sender.send(tree(seed), weight_version=f"v{seed}")
+            assert holds(sender, tree(seed))
+            released(sender)
+        assert stats.chunks == (3 if packed else 1), stats
+        assert sender.verify(tree(2)).ok and not sender.verify(tree(1)).ok
+        changed = dict(tree(3), extra=jnp.arange(6, dtype=jnp.float32))
+        del changed["big"]
+        sender.send(changed)
+        assert holds(sender, changed)
+        sender.reconnect()
+        sender.send(tree(4))
+        assert sender.verify(tree(4)).ok
+        name = sender.session.connection.comm.counters.name
+    assert memory.alive() == [] and not os.path.exists(f"/dev/shm{name}")
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[-1]["path"] == "/shutdown_weight_transfer_engine"
+
+
+def test_an_asynchronous_push_survives_a_step_that_donates_the_arrays(server):
+    url, _ = server
+    with sender_on(url, FabricMemory(), packed=True, buffer_size_bytes=4096) as sender:
+        params = tree(5)
+        pending = sender.send(params, wait=False)
+        step = jax.jit(lambda t: jax.tree_util.tree_map(lambda x: x * 0, t), donate_argnums=0)
+        jax.block_until_ready(step(params))
+        pending.result(timeout=60)
+        assert holds(sender, tree(5))
+
+
+def test_a_worker_on_a_gpu_the_trainer_lacks_is_named_before_any_weights(tmp_path):
+    with ipc_server(tmp_path, gpus="0,3") as (url, log):
+        memory = FabricMemory()
+        with pytest.raises(RendezvousError) as caught:
+            sender_on(url, memory)
+        message = str(caught.value)
+        assert uuid_of(3) in message and uuid_of(0) in message and "\n" not in message
+        assert memory.alive() == []
+        paths = [json.loads(line)["path"] for line in log.read_text().splitlines()]
+        assert "/update_weights" in paths and paths[-1] == "/shutdown_weight_transfer_engine"
+
+
+@pytest.mark.parametrize("args, pickles, words", [
+    (("--backend", "nccl"), True, "needs vLLM's ipc backend"),
+    ((), False, "VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+])
+def test_refused_before_the_server_is_touched(tmp_path, args, pickles, words):
+    with ipc_server(tmp_path, *args, pickles=pickles) as (url, log):
+        with pytest.raises(RendezvousError, match=words) as caught:
+            sender_on(url, FabricMemory())
+        assert "\n" not in str(caught.value)
+        paths = {json.loads(line)["path"] for line in log.read_text().splitlines()}
+        assert paths <= {"/server_info", "/get_world_size"}, paths
+
+
+def test_a_workers_load_failure_then_reconnect_and_an_exact_push(tmp_path):
+    with ipc_server(tmp_path, "--fail-load-after", "3") as (url, _):
+        with sender_on(url, FabricMemory(), packed=False) as sender:
+            with pytest.raises(SendError, match="loading"):
+                sender.send(tree(1))
+            assert sender.broken
+            sender.reconnect()
+            sender.send(tree(2))
+            assert holds(sender, tree(2))
+
+
+def test_staging_larger_than_the_free_memory_is_refused_before_any_request(server):
+    url, log = server
+    with sender_on(url, FabricMemory(free=1 << 20), packed=False) as sender:
+        before = len(log.read_text().splitlines())
+        with pytest.raises(TransferError, match="GiB free"):
+            sender.send({"w": jnp.zeros((1 << 19,), jnp.float32)})
+        assert len(log.read_text().splitlines()) == before
+        sender.send(tree(6))
+        assert sender.verify(tree(6)).ok
