@@ -315,7 +315,8 @@ def app(client: Any, log: str, *routers: Any) -> Any:
             return response
         finally:
             with open(log, "a") as f:
-                f.write(json.dumps({"t": t0, "path": request.url.path, "status": status}) + "\n")
+                f.write(json.dumps({"t": t0, "path": request.url.path,
+                                    "query": request.url.query, "status": status}) + "\n")
 
     return app
 

@@ -12,7 +12,8 @@ only the CUDA calls replaced, on both sides.
   built): ``torch.cuda.get_device_properties(i).uuid`` is the UUID of the
   worker's "GPU" (its ``CUDA_VISIBLE_DEVICES``), and torch's
   ``rebuild_cuda_tensor`` maps the named file and views the arguments'
-  storage in it; when that storage dies, the export's count is given back
+  storage in it (an empty storage: nothing mapped, nothing counted, as
+  torch does); when that storage dies, the export's count is given back
   in the ref-counter file as torch's receiver does (``CudaIPCTypes.cpp``:
   the file opened without creating it, header + 1, slot - 1, header - 1,
   unlinked at 0; a missing file skipped).
@@ -134,6 +135,8 @@ def _rebuild(tensor_cls: Any, size: Any, stride: Any, offset: int, storage_cls: 
     import torch
     assert handle[:2] == b"\x02c" and len(handle) == 66, handle[:2]
     assert len(event) == 64 and event_sync is False and isinstance(counter, bytes)
+    if storage_bytes == 0:  # torch maps nothing for an empty storage, and counts nothing
+        return torch.empty(tuple(size), dtype=dtype)
     name = handle[2:].rstrip(b"\0").decode()
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
     try:
@@ -142,9 +145,7 @@ def _rebuild(tensor_cls: Any, size: Any, stride: Any, offset: int, storage_cls: 
         os.close(fd)
     host = np.frombuffer(mm, dtype=np.uint8, count=storage_bytes, offset=storage_offset)
     weakref.finalize(host, _release, counter.decode(), slot)  # when the storage dies
-    base = torch.from_numpy(host)
-    typed = base.view(dtype) if storage_bytes else torch.empty(0, dtype=dtype)
-    return typed.as_strided(tuple(size), tuple(stride), offset)
+    return torch.from_numpy(host).view(dtype).as_strided(tuple(size), tuple(stride), offset)
 
 
 def _release(counter: str, slot: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -136,7 +137,7 @@ class Stager:
             for buffer in self.buffers.values():
                 buffer.free()
             self.buffers = {}  # the old ones go before the new ones are asked for
-            self.buffers = {o: self.plane.memory.export(o, nbytes) for o in self.devices}
+            self.buffers = {o: self.plane.memory.export(o, max(nbytes, 1)) for o in self.devices}
 
     def stage(self, metas: Sequence[TensorMeta], chunk: Chunk, get: Get, timeout: float,
               check: Check) -> None:
@@ -184,7 +185,7 @@ class Stager:
             return self._whole
         by_uuid = {u: o for o, u in self.conn.uuids.items()}
         ranks = self.conn.ranks
-        per = 1 if packed else chunk.stop - chunk.start
+        per = 1 if packed else sum(1 for m in metas[chunk.start:chunk.stop] if m.nbytes)
         slots = iter(self.plane.counters.take(per * len(ranks)))
         out = [{u: self._args(metas, chunk, by_uuid[u], packed, slots)} for u in ranks]
         if packed:
@@ -201,11 +202,13 @@ class Stager:
                       for m, off in zip(metas[chunk.start:chunk.stop], chunk.offsets)]
         out = []
         for shape, dtype, itemsize, offset in places:
-            slot = next(slots)
-            self._slots.append(slot)
-            out.append(RebuildArgs(shape=tuple(shape), dtype=dtype, itemsize=itemsize,
-                                   device=ordinal, handle=buffer.handle, offset=offset,
-                                   counter=name, slot=slot))
+            args = RebuildArgs(shape=tuple(shape), dtype=dtype, itemsize=itemsize,
+                               device=ordinal, handle=buffer.handle, offset=offset,
+                               counter=name, slot=0)
+            if args.nbytes:  # torch rebuilds an empty tensor without mapping or counting it
+                args = replace(args, slot=next(slots))
+                self._slots.append(args.slot)
+            out.append(args)
         return out
 
     def close(self) -> None:

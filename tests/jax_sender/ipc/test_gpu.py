@@ -5,6 +5,7 @@ No NCCL anywhere in the push. Every server is killed with its process group.
 """
 
 import subprocess
+import time
 
 import pytest
 
@@ -39,12 +40,22 @@ def shown(tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ipc_server(tmp_path_factory):
-    """One server for the tests that leave it ready for the next."""
+def ipc_served(tmp_path_factory):
+    """One server for the tests that leave it ready for the next, and its process."""
     folder = tmp_path_factory.mktemp("ipc")
-    with server(folder) as url:
-        yield url
+    served = server(folder)
+    with served as url:
+        yield url, served.proc.pid
     shown(folder)
+
+
+@pytest.fixture
+def ipc_server(ipc_served):
+    return ipc_served[0]
+
+
+def test_ipc_arguments_agree_with_torchs_own_producer():
+    print(run("torch_contract"))
 
 
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])
@@ -52,8 +63,30 @@ def test_ipc_push_into_vllms_ipc_engine(ipc_server, mode):
     print(run("push", ipc_server, mode, "2"))
 
 
-def test_ipc_soak_of_100_pushes(ipc_server):
-    print(run("soak", ipc_server, "100", timeout=500))
+def test_ipc_soak_of_100_pushes(ipc_served):
+    url, pid = ipc_served
+    print(run("soak", url, "100", str(pid), timeout=500))
+
+
+@pytest.mark.parametrize("times", ["1", "2"])
+def test_ipc_ctrl_c_once_and_twice_then_the_same_server(ipc_server, times):
+    print(run("ctrl_c", ipc_server, times))
+
+
+def test_ipc_a_trainer_killed_mid_push_then_a_fresh_trainer(ipc_server, tmp_path):
+    argv, env = child("children.ipc_scenarios", "killed_mid_push", ipc_server, env=gpu_env("0"))
+    with open(tmp_path / "trainer.err", "w") as err:
+        trainer = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                   cwd=ROOT)
+        try:
+            line = trainer.stdout.readline()
+            time.sleep(0.5)  # into the push's rounds
+        finally:
+            trainer.kill()
+            rest = trainer.communicate(timeout=30)[0]
+    assert "INSIDE THE PUSH" in line, (tmp_path / "trainer.err").read_text()[-3000:]
+    assert "PUSH ENDED" not in rest, "the trainer was killed after its push, not inside it"
+    print(run("fresh_push", ipc_server))
 
 
 @pytest.mark.parametrize("mode", ["packed", "unpacked"])

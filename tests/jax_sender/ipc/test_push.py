@@ -194,3 +194,33 @@ def test_staging_larger_than_the_free_memory_is_refused_before_any_request(serve
         assert len(log.read_text().splitlines()) == before
         sender.send(tree(6))
         assert sender.verify(tree(6)).ok
+
+
+def test_the_clients_colocation_routes_are_vllms_own(server):
+    """/sleep, /wake_up (tags), /is_sleeping and /server_info through vLLM's
+    own routers: what the client sends is what they read."""
+    url, log = server
+    with VLLMClient(url) as client:
+        info = client.server_info()
+        assert info["vllm_config"]["weight_transfer_config"]["backend"] == "ipc"
+        assert info["vllm_env"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] is True
+        assert client.sleep(level=1, mode="wait")["level"] == 1
+        assert client.is_sleeping()
+        assert client.wake_up(["weights"]) is False  # the KV cache still sleeps
+        assert client.wake_up(["kv_cache"]) is True and not client.is_sleeping()
+        client.sleep(level=0)
+        assert not client.is_sleeping()
+        client.sleep(level=2)
+        assert client.wake_up() is True  # no tags: everything
+        for bad in (dict(level=3), dict(level=True), dict(mode="later")):
+            with pytest.raises(ValueError):
+                client.sleep(**bad)
+        with pytest.raises(ValueError):
+            client.wake_up("weights")
+    calls = [json.loads(line) for line in log.read_text().splitlines()][-10:]
+    assert [(c["path"], c["query"], c["status"]) for c in calls] == [
+        ("/server_info", "config_format=json", 200),
+        ("/sleep", "level=1&mode=wait", 200), ("/is_sleeping", "", 200),
+        ("/wake_up", "tags=weights", 200), ("/wake_up", "tags=kv_cache", 200),
+        ("/is_sleeping", "", 200), ("/sleep", "level=0&mode=abort", 200),
+        ("/is_sleeping", "", 200), ("/sleep", "level=2&mode=abort", 200), ("/wake_up", "", 200)]

@@ -123,9 +123,31 @@ def load_fails(url: str, mode: str) -> None:
           "both bit-exact")
 
 
-def soak(url: str, count: str) -> None:
-    """``count`` pushes: GPU free memory, /dev/shm files and this process's
-    fds flat after the first few; the last push exact."""
+def _server_side(pid: int) -> tuple[int, int]:
+    """The server's processes (``pid`` and its descendants): their open fds,
+    and their GPU memory in MiB (``nvidia-smi``)."""
+    import subprocess
+    pids, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        pids.add(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    fds = sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids if os.path.isdir(f"/proc/{p}"))
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    mib = sum(int(m) for line in out.splitlines() for p, m in [line.split(", ")]
+              if int(p) in pids)
+    return fds, mib
+
+
+def soak(url: str, count: str, server_pid: str) -> None:
+    """``count`` pushes: on the trainer's side JAX's bytes, /dev/shm files
+    and fds, on the server's its processes' fds and GPU memory, all flat
+    from the 6th push to the last; the last push exact."""
     import jax
 
     from jax_sender import IPCSender, SendConfig
@@ -134,13 +156,87 @@ def soak(url: str, count: str) -> None:
     for i in range(int(count)):
         sender.send(tree(i % 7))
         if i in (5, int(count) - 1):
+            sender.session.connection.comm.counters.wait(range(10_000), 10.0, "the pushes")
             seen.append((jax.devices()[0].memory_stats()["bytes_in_use"], len(shm()),
-                         len(os.listdir("/proc/self/fd"))))
+                         len(os.listdir("/proc/self/fd")), *_server_side(int(server_pid))))
     exact(sender, tree((int(count) - 1) % 7), 2)
     sender.close()
     assert seen[0] == seen[1], seen
-    print(f"OK ipc soak: {count} pushes, (JAX bytes, /dev/shm files, fds) {seen[0]} after 6 "
-          f"and {seen[1]} after {count}")
+    print(f"OK ipc soak: {count} pushes; (trainer JAX bytes, /dev/shm files, trainer fds, "
+          f"server fds, server GPU MiB) {seen[0]} after 6 and {seen[1]} after {count}")
+
+
+def _many(seed: int, gb: float) -> list:
+    """``gb`` of bfloat16 in 256 KiB tensors: with a 1 MiB buffer, a push of
+    one round per four tensors, thousands of rounds (seconds long)."""
+    import jax
+    import jax.numpy as jnp
+    n = int(gb * 1e9 / (256 << 10))
+    block = jax.random.normal(jax.random.PRNGKey(seed), (n, 128 << 10), jnp.bfloat16)
+    return [(f"many.{i}", block[i]) for i in range(n)]
+
+
+def ctrl_c(url: str, times: str) -> None:
+    """Ctrl-C once (the push ends on the server, then ``KeyboardInterrupt``;
+    the sender pushes on) or twice (aborted at once; ``reconnect()``) into a
+    push of 1 MiB chunks; then exact pushes, and nothing left after close."""
+    import signal
+    import threading
+
+    import jax
+
+    from jax_sender import IPCSender, SendConfig
+    before = shm()
+    sender = IPCSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    pairs = _many(7, 1.0)
+    jax.block_until_ready(pairs)
+    for delay in [0.3, 0.4][:int(times)]:
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        sender.send(pairs)
+        raise AssertionError("the push ended before the Ctrl-C: make it larger")
+    except KeyboardInterrupt as e:
+        took, msg = time.monotonic() - t, str(e)
+    if times == "1":
+        assert not sender.broken and "ended on the servers first" in msg, (msg, sender.broken)
+        exact(sender, pairs, 2)
+    else:
+        assert sender.broken, msg
+        sender.reconnect()
+    del pairs
+    sender.send(tree(8))
+    exact(sender, tree(8), 2)
+    sender.close()
+    assert shm() == before, shm() - before
+    print(f"OK ipc {times} Ctrl-C: KeyboardInterrupt after {took:.2f} s ({msg}); then exact, "
+          "/dev/shm clean")
+
+
+def killed_mid_push(url: str) -> None:
+    """Push once, then start a push of thousands of rounds, say so, and be
+    killed inside it (it would print ``PUSH ENDED`` if it were not)."""
+    import jax
+
+    from jax_sender import IPCSender, SendConfig
+    sender = IPCSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20))
+    sender.send(tree(1))
+    pairs = _many(9, 4.0)
+    jax.block_until_ready(pairs)
+    print("INSIDE THE PUSH", flush=True)
+    sender.send(pairs)
+    print("PUSH ENDED", flush=True)
+
+
+def fresh_push(url: str) -> None:
+    """A new trainer on the server a killed one left mid-push: connect and an exact push."""
+    from jax_sender import IPCSender, SendConfig
+    t = time.monotonic()
+    with IPCSender.connect(url, config=SendConfig(buffer_size_bytes=1 << 20)) as sender:
+        took = time.monotonic() - t
+        sender.send(tree(2))
+        exact(sender, tree(2), 2)
+    print(f"OK after a killed trainer: connect in {took:.2f} s and an exact push")
 
 
 def refused(url: str, why: str) -> None:
@@ -154,6 +250,39 @@ def refused(url: str, why: str) -> None:
     except RendezvousError as e:
         assert why in str(e) and "\n" not in str(e), e
         print(f"OK refused in {time.monotonic() - t0:.2f} s: {e}")
+
+
+def torch_contract() -> None:
+    """Ours against torch's own producer on this GPU: the 15 arguments of
+    ``reduce_tensor`` field by field (types, size, stride, dtype, the handle's
+    format), the GPU UUID as torch prints it, the ref-counter file's size."""
+    import base64
+    import pickle
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from nccl_cffi.ipc import Exported, gpu_uuid
+    from uniqueid.ipc.counters import FILE_BYTES, RefCounters
+    from uniqueid.ipc.handles import RebuildArgs, pickled
+    t = torch.arange(24, dtype=torch.bfloat16, device="cuda:0").reshape(4, 6)
+    theirs = reduce_tensor(t)[1]
+    counters, buffer = RefCounters(), Exported(1 << 20, 0)
+    mine = RebuildArgs(shape=(4, 6), dtype="bfloat16", itemsize=2, device=0,
+                       handle=buffer.handle, offset=512, counter=counters.name,
+                       slot=counters.take(1)[0])
+    ours = pickle.loads(base64.b64decode(pickled(mine.to_tuple())))
+    assert [type(x) for x in ours] == [type(x) for x in theirs], (ours, theirs)
+    assert (ours[0], ours[1], ours[2], ours[4], ours[5]) == (theirs[0], theirs[1], theirs[2],
+                                                             theirs[4], theirs[5])
+    assert len(ours[7]) == len(theirs[7]) == 66 and ours[7][:2] == theirs[7][:2], theirs[7][:2]
+    assert len(ours[13]) == len(theirs[13]) == 64
+    assert os.path.getsize("/dev/shm" + theirs[11].decode()) == FILE_BYTES
+    assert str(torch.cuda.get_device_properties(0).uuid) == gpu_uuid(0)
+    counters.close()
+    buffer.free()
+    print(f"OK torch's reduce_tensor and ours agree field by field (torch {torch.__version__}, "
+          f"handle format {theirs[7][:2]!r}, uuid {gpu_uuid(0)})")
 
 
 if __name__ == "__main__":
