@@ -1,13 +1,13 @@
 """The colocated push on one GPU: trainer and vLLM's workers share it.
 
 ``python benches/ipc.py --out benches/ipc-h200.json [--reps 5]`` (one GPU;
-vLLM 0.33.0's tree in ``.vllm/``). For each workload (``qwen3-8b``, 16.4 GB;
-``layers4``, 1.6 GB... see ``workloads.py``; here ``qwen3-8b`` and ``1gb``),
+vLLM 0.33.0's tree in ``.vllm/``). For each workload (``qwen3-8b``, 16.4 GB
+of bfloat16 in 399 tensors; ``1gb``, the first 1 GB of four of its layers),
 in one run, each row the median of ``--reps`` pushes after a warm-up:
 
 * ``ours packed`` / ``ours unpacked``: ``IPCSender`` into vLLM 0.33.0's real
   ``IPCWeightTransferEngine`` (``jax_sender.testing.vllm_ipc``, one worker
-  on the same GPU), 1 GiB buffer;
+  on the same GPU), packed in a ``--buffer`` buffer (2 GiB);
 * ``torch packed`` / ``torch unpacked``: vLLM's own torch trainer
   (``IPCTrainerWeightTransferEngine`` over vLLM's ``HTTPVLLMWeightSyncClient``)
   into the same server;
@@ -79,20 +79,30 @@ def _timed(push: Any, reps: int) -> list[float]:
     return out[1:]
 
 
-def role_ours(url: str, name: str, mode: str, reps: str) -> None:
-    """``IPCSender`` pushes of workload ``name``."""
+def role_ours(url: str, name: str, mode: str, reps: str, buffer: str) -> None:
+    """``IPCSender`` pushes of workload ``name``, with their phases; then how
+    long the workers' release of a push's exports lags its end."""
     from jax_sender import IPCSender, SendConfig
     pairs = _pairs(name)
+    stats = []
     with IPCSender.connect(url, config=SendConfig(packed=mode == "packed",
-                                                  buffer_size_bytes=GiB)) as sender:
-        walls = _timed(lambda: sender.send(pairs), int(reps))
-        stats = sender.send(pairs)
+                                                  buffer_size_bytes=int(buffer))) as sender:
+        walls = _timed(lambda: stats.append(sender.send(pairs)), int(reps))
+        counters, lag = sender.session.connection.comm.counters, []
+        for _ in range(3):
+            sender.send(pairs)
+            t = time.perf_counter()
+            counters.wait(range(10_000), 60.0, "the bench's exports")
+            lag.append(time.perf_counter() - t)
         assert sender.verify(pairs[:4]).ok
-    emit({"row": f"ours {mode}", "wall": walls, "bytes": stats.bytes, "chunks": stats.chunks})
+    s = stats[1:]
+    emit({"row": f"ours {mode}", "wall": walls, "bytes": s[0].bytes, "chunks": s[0].chunks,
+          "start": [x.start_s for x in s], "transfer": [x.transfer_s for x in s],
+          "finish": [x.finish_s for x in s], "release_lag": lag})
 
 
-def role_torch(url: str, name: str, mode: str, reps: str) -> None:
-    """vLLM's own torch IPC trainer pushes of workload ``name``."""
+def role_torch(url: str, name: str, mode: str, reps: str, buffer: str) -> None:
+    """vLLM's own torch IPC trainer pushes of workload ``name``, each HTTP call timed."""
     import shim
     shim.load()
     from functools import cached_property
@@ -115,15 +125,26 @@ def role_torch(url: str, name: str, mode: str, reps: str) -> None:
         def iter_full(self):
             yield from pairs
 
-    client = HTTPVLLMWeightSyncClient(url)
+    phases: dict[str, list[float]] = {"start": [], "update": [], "finish": []}
+
+    class Timed(HTTPVLLMWeightSyncClient):
+        def _post(self, path, json=None):
+            t = time.perf_counter()
+            super()._post(path, json)
+            key = path.split("_")[0] if path.split("_")[0] in phases else None
+            if key:
+                phases[key].append(time.perf_counter() - t)
+
+    client = Timed(url)
     engine = IPCTrainerWeightTransferEngine.trainer_init(
-        IPCTrainerInitInfo(rank=0, packed=mode == "packed", packed_buffer_size_bytes=GiB),
+        IPCTrainerInitInfo(rank=0, packed=mode == "packed", packed_buffer_size_bytes=int(buffer)),
         client=client, source=Source())
     walls = _timed(engine.send_weights, int(reps))
     engine.shutdown()
     client.shutdown_weight_transfer_engine()
     emit({"row": f"torch {mode}", "wall": walls,
-          "bytes": sum(t.numel() * t.element_size() for _, t in pairs)})
+          "bytes": sum(t.numel() * t.element_size() for _, t in pairs),
+          **{k: v[-int(reps):] for k, v in phases.items()}})
 
 
 def role_socket(url: str, name: str, reps: str) -> None:
@@ -174,9 +195,10 @@ def _run(args: argparse.Namespace) -> list[dict]:
                         ipc=True, env=env) as url:
             for mode in ("packed", "unpacked"):
                 rows = _shown(rows, one("role_ours", url, name, mode, str(args.reps),
-                                        script=SCRIPT), name)
+                                        str(args.buffer), script=SCRIPT), name)
                 rows = _shown(rows, one("role_torch", url, name, mode, str(args.reps),
-                                        script=SCRIPT, env=dict(vllm_env(), **env)), name)
+                                        str(args.buffer), script=SCRIPT,
+                                        env=dict(vllm_env(), **env)), name)
         with VLLMServer("1", output=f"{tmp}/nccl-server.out",
                         requests=f"{tmp}/nccl.jsonl") as url:
             rows = _shown(rows, one("role_socket", url, name, str(args.reps), script=SCRIPT,
@@ -202,6 +224,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--buffer", type=int, default=2 * GiB,
+                    help="the packed buffer, ours and torch's (torch's refuses a tensor "
+                         "larger: qwen3-8b's embedding is 1.24 GB)")
     ap.add_argument("--workloads", nargs="+", default=["1gb", "qwen3-8b"])
     args = ap.parse_args()
     rows = _run(args)

@@ -81,10 +81,11 @@ class Exported(DeviceMemory):
 
 class CudaIPC:
     """The GPU work of the IPC path: the real driver's (a stand-in on CPU
-    offers the same methods). One copy stream per device, made on first use."""
+    offers the same methods). One copy stream (and its event) per device, made on first use."""
 
     def __init__(self) -> None:
         self._streams: dict[int, Stream] = {}
+        self._events: dict[int, Event] = {}  # each device's, recorded after its copies
 
     uuid = staticmethod(gpu_uuid)
     free_bytes = staticmethod(free_bytes)
@@ -124,12 +125,9 @@ class CudaIPC:
         Raises:
             TimeoutError: the copies did not end within ``timeout``.
         """
-        event = Event(device).record(self._stream(device))
-        try:
-            poll_until(event.done, timeout, check=check, on_timeout=lambda: TimeoutError(
-                f"copies into the IPC staging buffer did not end within {timeout}s"))
-        finally:
-            event.close()
+        event = self._events.setdefault(device, Event(device)).record(self._stream(device))
+        poll_until(event.done, timeout, check=check, on_timeout=lambda: TimeoutError(
+            f"copies into the IPC staging buffer did not end within {timeout}s"))
 
     def _stream(self, device: int) -> Stream:
         if device not in self._streams:
@@ -137,7 +135,10 @@ class CudaIPC:
         return self._streams[device]
 
     def close(self) -> None:
-        """Destroy the copy streams."""
+        """Destroy the copy streams and their events."""
+        for event in self._events.values():
+            event.close()
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
+        self._events.clear()

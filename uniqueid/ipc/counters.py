@@ -28,6 +28,7 @@ import os
 import secrets
 import struct
 import weakref
+from collections import deque
 from collections.abc import Iterable
 
 from nccl_cffi.waiting import Check, no_check, poll_until
@@ -73,7 +74,7 @@ class RefCounters:
             os.close(fd)
         struct.pack_into("<i", self._map, 0, 1)  # this process maps it
         self._taken: set[int] = set()
-        self._next = 0
+        self._free = deque(range(SLOTS))
         self._unlink = weakref.finalize(self, _remove, path)
         atexit.register(self._unlink)
 
@@ -90,24 +91,17 @@ class RefCounters:
             CountersHeld: fewer than ``n`` free slots (exports that workers
                 never released).
         """
-        free = self._free()
-        if len(free) < n:
-            raise CountersHeld(f"{SLOTS - len(free)} of the {SLOTS} CUDA IPC ref counters are "
-                               "still held by vLLM's workers (they never released the trainer's "
-                               "memory): reconnect() or restart the server")
-        out = free[:n]
+        if n > len(self._free):
+            self.settle()
+        if n > len(self._free):
+            raise CountersHeld(f"{SLOTS - len(self._free)} of the {SLOTS} CUDA IPC ref counters "
+                               "are still held by vLLM's workers (they never released the "
+                               "trainer's memory): reconnect() or restart the server")
+        out = [self._free.popleft() for _ in range(n)]
         for slot in out:
             struct.pack_into("<q", self._map, _at(slot), 1)
-            self._taken.add(slot)
-        self._next = (out[-1] + 1) % SLOTS if out else self._next
+        self._taken.update(out)
         return out
-
-    def _free(self) -> list[int]:
-        """Every free slot, in the order ``take`` hands them out (round robin,
-        so a slot a late worker may still decrement is not handed out at once)."""
-        self.settle()
-        order = list(range(self._next, SLOTS)) + list(range(self._next))
-        return [s for s in order if s not in self._taken]
 
     def value(self, slot: int) -> int:
         """A slot's count now.
@@ -121,8 +115,12 @@ class RefCounters:
         return struct.unpack_from("<q", self._map, _at(slot))[0]
 
     def settle(self) -> None:
-        """Forget the slots workers brought back to 0 (free for ``take``)."""
-        self._taken = {s for s in self._taken if self.value(s) > 0}
+        """Free again the slots workers brought back to 0, behind the others
+        (round robin: a slot a late worker may still decrement is not handed
+        out at once)."""
+        back = [s for s in self._taken if self.value(s) <= 0]
+        self._taken.difference_update(back)
+        self._free.extend(sorted(back))
 
     def held(self, slots: Iterable[int]) -> list[int]:
         """Those of ``slots`` some worker still counts.

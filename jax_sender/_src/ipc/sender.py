@@ -213,8 +213,9 @@ class IPCSender:
                 f"an unpacked push of {len(plan.wire)} tensors to {len(conn.ranks)} workers "
                 f"needs {need} IPC exports, more than the {SLOTS} a ref-counter file holds: "
                 "connect with SendConfig(packed=True)")
-        _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, self._staged)
-        self._staged = max(self._staged, plan.nbytes)
+        if plan.nbytes > self._staged:  # asked only when the buffers grow (a driver call)
+            _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, self._staged)
+            self._staged = plan.nbytes
 
     def _prepared(self, plan: _Plan, sources: Sources) -> PreparedPush:
         """The push's rounds (one per chunk), figures and deadlines."""
