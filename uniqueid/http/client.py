@@ -42,7 +42,7 @@ from nccl_cffi.waiting import check_timeout
 from ..codec import redact, redacted_head
 from ..errors import RendezvousError
 from . import transport
-from .url import check_base_url
+from .url import check_base_url, server_key
 
 T = TypeVar("T")
 
@@ -210,6 +210,8 @@ class VLLMClient:
     docstring), and answers only vLLM's shapes. Making one costs next to
     nothing: no connection is opened before the first call, and a TLS
     context only for the first https call of the process.
+    ``server_key`` is its server however the URL is spelled
+    (``url.server_key``), what a fleet compares.
 
     Args:
         base_url: ``http://`` or ``https://`` host and port (a path prefix
@@ -235,6 +237,7 @@ class VLLMClient:
                  api_key: str | None = None, headers: dict[str, str] | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.base_url = check_base_url(base_url)
+        self.server_key = server_key(self.base_url)  # one server, however its URL is spelled
         parts = urlsplit(self.base_url)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.timeout = _seconds("timeout", timeout)
