@@ -33,13 +33,24 @@ def spellings(port: int) -> list[str]:
             f"http://[::ffff:127.0.0.1]:{port}", f"http://[0:0:0:0:0:FFFF:7F00:1]:{port}"]
 
 
+def _reaches_v4_mapped(port: int) -> bool:
+    """Whether this host connects an IPv6 socket to IPv4 (not where IPv6 is off)."""
+    try:
+        socket.create_connection(("::ffff:127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_every_spelling_of_one_server_reaches_it_and_has_one_key(recorder):
     port = int(recorder.url.rsplit(":", 1)[1])
     urls = spellings(port)
-    for url in urls:
+    reached = [u for u in urls if "[" not in u or _reaches_v4_mapped(port)]
+    before = len(recorder.requests)
+    for url in reached:
         with VLLMClient(url) as c:
             assert c.get_world_size() == 1, url  # the same server, really
-    assert len(recorder.requests) == len(urls)
+    assert len(recorder.requests) == before + len(reached)
     assert {server_key(u) for u in urls} == {f"http://127.0.0.1:{port}"}
 
 
