@@ -404,14 +404,29 @@ def as_clients(servers: Servers) -> list[VLLMClient]:
         One client per server, in order: those given, and new ones for URLs.
 
     Raises:
-        ValueError: no server given, or a URL that is not http(s).
+        ValueError: no server given, a URL that is not http(s), or one
+            server given twice (however its URL is spelled:
+            ``url.server_key``), which would join one group twice.
     """
-    if isinstance(servers, (str, VLLMClient)):
-        servers = [servers]
-    clients = [s if isinstance(s, VLLMClient) else VLLMClient(s) for s in servers]
+    given = [servers] if isinstance(servers, (str, VLLMClient)) else list(servers)
+    clients = [s if isinstance(s, VLLMClient) else VLLMClient(s) for s in given]
     if not clients:
         raise ValueError("no vLLM server given: pass its URL, e.g. http://127.0.0.1:8000")
+    first: dict[str, int] = {}
+    for i, c in enumerate(clients):
+        j = first.setdefault(c.server_key, i)
+        if j != i:
+            _close_made(clients, given)
+            raise ValueError(f"{clients[j].base_url} and {c.base_url} are one server "
+                             f"({c.server_key}): give each server once")
     return clients
+
+
+def _close_made(clients: list[VLLMClient], given: list[Any]) -> None:
+    """Close the clients ``as_clients`` made for URLs (not those it was given)."""
+    for client, item in zip(clients, given):
+        if client is not item:
+            client.close()
 
 
 def world_sizes(clients: Sequence[VLLMClient], workers: Sequence[int] | int | None,

@@ -12,7 +12,9 @@ What vLLM sends (``vllm/entrypoints/openai/completion/protocol.py``:
 ``request_output_to_completion_response``, ``_create_completion_logprobs``):
 ``choices`` as many as prompts x ``n``, each with an int ``index``;
 ``token_ids`` and ``prompt_token_ids`` lists of token ids (with
-``return_token_ids``), at most ``max_tokens`` sampled; ``text`` a str;
+``return_token_ids``), at most ``max_tokens`` sampled, each an int32 as
+vLLM's model runner holds it (``v1/worker/gpu_model_runner.py``:
+``input_ids``), which the rollout's int32 arrays take; ``text`` a str;
 ``logprobs.tokens`` as ``token_id:N`` (with ``return_tokens_as_token_ids``);
 log-probabilities from a log-softmax, so at most 0, with ``-inf`` written
 ``-9999.0`` and never NaN (the answer is JSON made with ``allow_nan=False``).
@@ -29,6 +31,8 @@ from uniqueid import VLLMProtocolError
 
 ROUTE = "/v1/completions"
 _SHOWN_CHARS = 80
+MAX_TOKEN_ID = 2**31 - 1  # vLLM's token ids are int32, as the rollout's arrays
+_IDS = f"a list of token ids (ints from 0 to {MAX_TOKEN_ID})"
 
 
 def protocol_error(where: str, message: str) -> VLLMProtocolError:
@@ -55,8 +59,9 @@ def _wrong(where: str, k: int, field: str, got: Any, want: str) -> VLLMProtocolE
 
 
 def _is_ids(value: Any) -> bool:
-    """A list of token ids: ints (not bools) >= 0."""
-    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+    """A list of token ids: ints (not bools) from 0 to ``MAX_TOKEN_ID``."""
+    return isinstance(value, list) and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID
+                                           for t in value)
 
 
 def _is_logprob(value: Any) -> bool:
@@ -107,12 +112,13 @@ def prompt_ids(choice: dict[str, Any], sent: list[int] | None, k: int, where: st
         The prompt's token ids.
 
     Raises:
-        VLLMProtocolError: ``prompt_token_ids`` not a list of token ids,
-            missing where needed, or other than those sent.
+        VLLMProtocolError: ``prompt_token_ids`` not a list of token ids
+            (ints from 0 to ``MAX_TOKEN_ID``), missing where needed, or
+            other than those sent.
     """
     got = choice.get("prompt_token_ids")
     if got is not None and not _is_ids(got):
-        raise _wrong(where, k, "prompt_token_ids", got, "a list of token ids")
+        raise _wrong(where, k, "prompt_token_ids", got, _IDS)
     if sent is None:
         if not got:
             raise protocol_error(where, f"answered choice {k} without prompt_token_ids "
@@ -138,15 +144,16 @@ def sampled_ids(choice: dict[str, Any], max_tokens: int, k: int, where: str) -> 
         The sampled token ids.
 
     Raises:
-        VLLMProtocolError: ``token_ids`` missing or not token ids, more of
-            them than ``max_tokens``, or logprobs naming other tokens.
+        VLLMProtocolError: ``token_ids`` missing or not token ids (ints
+            from 0 to ``MAX_TOKEN_ID``), more of them than ``max_tokens``, or
+            logprobs naming other tokens.
     """
     ids = choice.get("token_ids")
     if ids is None:
         raise protocol_error(where, f"answered choice {k} without token_ids although "
                              "return_token_ids was set (vLLM 0.33.0 sends them)")
     if not _is_ids(ids):
-        raise _wrong(where, k, "token_ids", ids, "a list of token ids")
+        raise _wrong(where, k, "token_ids", ids, _IDS)
     if len(ids) > max_tokens:
         raise protocol_error(where, f"answered choice {k} with {len(ids)} token_ids, where "
                              f"vLLM samples at most the max_tokens={max_tokens} asked for")

@@ -189,6 +189,16 @@ KEPT = {"jax-sender-push", "jax-sender-ready", "jax-sender-nccl", "vllm-update",
         "vllm-release", "vllm-probe", "nccl-init", "share-from-process-0"}
 
 
+def inside(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is in a call of ``function`` now (its stack read)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def together(work: Callable[..., None], args: list[tuple], timeout: float) -> list[BaseException]:
     """``work(*a)`` for each ``a`` in ``args``, each on a thread of its own,
     all at once; what they raised, once all ended (each joined within

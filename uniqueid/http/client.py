@@ -41,8 +41,8 @@ from nccl_cffi.waiting import check_timeout
 
 from ..codec import redact, redacted_head
 from ..errors import RendezvousError
-from . import transport
-from .url import check_base_url
+from . import settings, transport
+from .url import check_base_url, server_key
 
 T = TypeVar("T")
 
@@ -208,8 +208,10 @@ class VLLMClient:
     Connections are kept alive between calls; the client is safe to share
     between threads. Every call is bounded by one deadline (see the module
     docstring), and answers only vLLM's shapes. Making one costs next to
-    nothing: no connection is opened before the first call, and a TLS
-    context only for the first https call of the process.
+    nothing: no connection is opened before the first call, and https's
+    TLS context is made once per CA source per process. Every setting is
+    checked when given. ``server_key`` is its server however the URL is
+    spelled (``url.server_key``), what a fleet compares.
 
     Args:
         base_url: ``http://`` or ``https://`` host and port (a path prefix
@@ -223,18 +225,27 @@ class VLLMClient:
         api_key: sent as ``Authorization: Bearer <api_key>``.
         headers: extra headers for every call (they override the defaults).
         max_body_bytes: the largest answer read, as sent and once inflated.
+        verify: how an https server's certificate is checked, as httpx
+            names it: ``True`` (the environment's ``SSL_CERT_FILE``,
+            ``SSL_CERT_DIR``, ``REQUESTS_CA_BUNDLE``, ``CURL_CA_BUNDLE``, the
+            first set, else certifi's bundle), ``False`` (not at all), a CA
+            bundle's path, or an ``ssl.SSLContext`` (``settings.py``).
 
     Raises:
         ValueError: a timeout that is not a number of seconds above 0 and at
-            most ``MAX_TIMEOUT_S`` (1e9), a ``max_body_bytes`` below 1, or a
-            URL ``url.check_base_url`` refuses (one sentence, no password).
+            most ``MAX_TIMEOUT_S`` (1e9), a ``max_body_bytes`` below 1, a
+            URL ``url.check_base_url`` refuses (one sentence, no password),
+            an API key or header HTTP cannot carry, or a ``verify`` that
+            names no CA bundle or does not load (``settings.py``; no
+            message shows a key or a header's value).
     """
 
     def __init__(self, base_url: str, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  timeout: float = DEFAULT_TIMEOUT, transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
                  api_key: str | None = None, headers: dict[str, str] | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, verify: settings.Verify = True):
         self.base_url = check_base_url(base_url)
+        self.server_key = server_key(self.base_url)  # one server, however its URL is spelled
         parts = urlsplit(self.base_url)
         self.connect_timeout = _seconds("connect_timeout", connect_timeout)
         self.timeout = _seconds("timeout", timeout)
@@ -246,20 +257,14 @@ class VLLMClient:
         tls = parts.scheme == "https"
         self._prefix = parts.path
         self._headers = [(b"Host", parts.netloc.rpartition("@")[2].encode("idna")),
-                         *self._merge_headers(api_key, headers or {})]
-        self._pool = transport.Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
+                         *settings.request_headers(api_key, headers)]
+        # Checked when given; the environment's CAs matter to https alone.
+        context = settings.tls_context(verify) if tls or verify is not True else None
+        settings.warn_if_proxied(parts.scheme, parts.hostname or "")
+        self._pool = transport.Pool(parts.hostname, parts.port or (443 if tls else 80),
+                                    context if tls else None)
         self._heads: dict[tuple[Any, ...], h11.Request] = {}  # see _head; the loop's only
         self._closed = False
-
-    @staticmethod
-    def _merge_headers(api_key: str | None, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
-        merged = {"user-agent": ("User-Agent", "jax-vllm-nccl"),
-                  "accept": ("Accept", "application/json"),
-                  "accept-encoding": ("Accept-Encoding", "identity")}
-        merged.update({k.lower(): (k, v) for k, v in extra.items()})
-        if api_key:
-            merged["authorization"] = ("Authorization", f"Bearer {api_key}")
-        return [(k.encode("ascii"), v.encode("ascii")) for k, v in merged.values()]
 
     def close(self) -> None:
         """Close the kept connections; later calls raise. Closing twice is fine."""

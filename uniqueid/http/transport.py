@@ -15,11 +15,12 @@ and nothing here is read unbounded: the body counts against a limit as it
 arrives, and reading pauses until the call has taken what came. Kept
 connections are reused while the server keeps them (one it closed, or
 idle past ``KEEP_ALIVE_S``, is dialled again); an https connection's TLS
-context is made once per process, on the first https call.
+context is its client's (``settings.tls_context``: one per CA source).
 
 What a call may end in, besides an answer: ``Expired`` (its deadline, see
 ``within``), ``PeerClosed``, ``Malformed``, ``TooBig``, or an ``OSError``
-from the socket; ``client.py`` turns each into the error it reports.
+from the socket (``Untrusted``: an https certificate that did not verify);
+``client.py`` turns each into the error it reports.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class PeerClosed(Exception):
 
 class Malformed(Exception):
     """The server answered something that is not valid HTTP/1.1."""
+
+
+class Untrusted(ConnectionError):
+    """An https server's certificate did not verify (an ``OSError``, as the
+    socket's other failures: its message says what to give)."""
 
 
 class TooBig(Exception):
@@ -330,28 +336,15 @@ class Connection(asyncio.Protocol):
 
 # -- one server's connections ------------------------------------------------------
 
-_tls: ssl.SSLContext | None = None
-
-
-def tls_context() -> ssl.SSLContext:
-    """The TLS context of every https server, made on the first https call:
-    each costs tens of milliseconds and most of a megabyte."""
-    global _tls
-    if _tls is None:
-        import httpx
-        _tls = httpx.create_ssl_context()
-    return _tls
-
-
 class Pool:
     """The kept connections to one server; touched on the HTTP loop only.
 
     Args:
         host, port: the server.
-        tls: https (its context made on the first call).
+        tls: https's context (``settings.tls_context``), or None for http.
     """
 
-    def __init__(self, host: str, port: int, tls: bool):
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None):
         self.host, self.port, self.tls = host, port, tls
         self.idle: list[Connection] = []
         self.closed = False
@@ -385,10 +378,14 @@ class Pool:
         return None
 
     async def _dial(self, seconds: float) -> Connection:
-        context = tls_context() if self.tls else None
-        _, conn = await within(seconds, asyncio.get_running_loop().create_connection(
-            Connection, self.host, self.port, ssl=context,
-            server_hostname=self.host if context else None))
+        try:
+            _, conn = await within(seconds, asyncio.get_running_loop().create_connection(
+                Connection, self.host, self.port, ssl=self.tls,
+                server_hostname=self.host if self.tls else None))
+        except ssl.SSLCertVerificationError as e:
+            raise Untrusted(f"the server's TLS certificate did not verify ({e.verify_message}): "
+                            "give the client verify= the CA bundle that signed it (or set "
+                            "SSL_CERT_FILE), and a URL whose host the certificate names") from None
         return conn
 
     def _done(self, conn: Connection, status: int) -> None:

@@ -9,12 +9,20 @@ first call rather than when it was given. A URL may also carry a user and
 password (``http://user:secret@host``): this client sends no credentials
 from the URL (they go in ``api_key`` or ``headers``), so such a URL is
 refused, and no message ever shows what stands before its ``@``.
+
+One server has many spellings (``http://localhost:8000/``,
+``HTTP://127.000.000.001:08000``, ``http://0.0.0.0:8000``): a fleet that
+took two of them as two servers would init one server twice in one group.
+``server_key`` is what two URLs share exactly when they name one server,
+read as this machine's resolver reads them (IPv4's short, octal and hex
+forms by ``inet_aton``, as ``getaddrinfo`` does), without a DNS lookup.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
@@ -23,6 +31,11 @@ _SHOWN_CHARS = 200
 _DNS_LABEL_CHARS = 63
 _HTTP = re.compile(r"https?://", re.IGNORECASE)
 _DNS_NAME_CHARS = 253
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+# What a connection to these reaches: the host's own IPv4 loopback, or its IPv6 one.
+_IPV4_SELF = frozenset({"localhost", "0.0.0.0"})
+_IPV6_SELF = ipaddress.IPv6Address("::")
+_IPV4_FORM = re.compile(r"[0-9a-fx.]+")
 
 
 def shown(url: str) -> str:
@@ -110,3 +123,59 @@ def _host_problem(host: str) -> str | None:
             return (f"has a host name part of {len(label)} characters, where DNS allows 1 to "
                     f"{_DNS_LABEL_CHARS}: check the URL")
     return None
+
+
+def server_key(url: Any) -> str:
+    """The server ``url`` names, as one string: two URLs give the same key
+    exactly when they name one server, however spelled.
+
+    The scheme in lower case; the host in lower case without a trailing
+    dot, an IP address in its one form (IPv4 in dotted decimal, read as
+    ``inet_aton`` reads its short, octal and hex forms; IPv6 compressed,
+    an IPv4-mapped one as its IPv4), ``localhost`` and ``0.0.0.0`` as
+    ``127.0.0.1`` and ``::`` as ``::1`` (what a connection to them
+    reaches); the port, the scheme's when none is written (leading zeros
+    dropped); the path prefix without trailing ``/``. Names are not
+    looked up: two DNS names of one machine are two servers.
+
+    Args:
+        url: a server's base URL.
+
+    Returns:
+        ``scheme://host:port/prefix``, normalised as above.
+
+    Raises:
+        ValueError: a URL ``check_base_url`` refuses.
+    """
+    parts = urlsplit(check_base_url(url))
+    port = parts.port or _DEFAULT_PORTS[parts.scheme]
+    return f"{parts.scheme}://{_host_key(parts.hostname or '')}:{port}{parts.path.rstrip('/')}"
+
+
+def _host_key(host: str) -> str:
+    """``host`` (lower case, as ``urlsplit`` gives it) in its one form."""
+    ip = _ip_of(host)
+    if ip is None:
+        name = host[:-1] if host.endswith(".") else host
+        return "127.0.0.1" if name in _IPV4_SELF else name
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv4Address):
+        return "127.0.0.1" if str(ip) in _IPV4_SELF else str(ip)
+    return "[::1]" if ip == _IPV6_SELF else f"[{ip.compressed}]"
+
+
+def _ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is written as, if it is one: IPv6, or IPv4 in
+    any form ``getaddrinfo`` takes (``127.1``, ``0x7f.0.0.1``,
+    ``127.000.000.001``); None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    if not _IPV4_FORM.fullmatch(host):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None

@@ -32,8 +32,8 @@ from uniqueid import (
     ServerStuck,
     VLLMClient,
     VLLMConnectionError,
-    as_clients,
 )
+from uniqueid.http.url import server_key, shown
 
 from .errors import TransferError
 from .routes import ProcessGroup, Route, SingleProcess
@@ -76,32 +76,39 @@ def single(route: Route, what: str) -> SingleProcess:
     return route
 
 
-def find(route: SingleProcess, server: str | VLLMClient) -> VLLMClient:
-    """The client of ``server`` (a URL, or one of the fleet's clients).
+def find(route: Route, server: str | VLLMClient) -> VLLMClient:
+    """The client of ``server`` (a URL however spelled, or a client of the
+    same server), called in the sender's turn: a fleet change made
+    meanwhile by another thread is seen.
 
     Raises:
-        ValueError: no such server in the fleet, or it is the last one.
+        TransferError: a multi-process sender.
+        ValueError: a URL ``check_base_url`` refuses, no such server in the
+            fleet, or it is the last one.
     """
-    url = server.base_url if isinstance(server, VLLMClient) else server.rstrip("/")
-    found = [c for c in route.clients if c.base_url == url]
+    clients = single(route, "drop_server()").clients
+    key = server.server_key if isinstance(server, VLLMClient) else server_key(server)
+    found = [c for c in clients if c.server_key == key]
+    name = server.base_url if isinstance(server, VLLMClient) else shown(server)
     if not found:
-        raise ValueError(f"{url} is not one of this sender's servers "
-                         f"({', '.join(c.base_url for c in route.clients)})")
-    if len(route.clients) == 1:
-        raise ValueError(f"{url} is this sender's last server: close() the sender instead")
+        raise ValueError(f"{name} is not one of this sender's servers "
+                         f"({', '.join(c.base_url for c in clients)})")
+    if len(clients) == 1:
+        raise ValueError(f"{name} is this sender's last server: close() the sender instead")
     return found[0]
 
 
-def joining(route: SingleProcess, server: str | VLLMClient) -> VLLMClient:
-    """The client of a server to add: a new one for a URL.
+def refuse_known(route: SingleProcess, client: VLLMClient) -> None:
+    """Refuse to add ``client`` where the fleet has its server (in the
+    sender's turn, so two threads adding one server cannot both pass).
 
     Raises:
-        ValueError: a URL that is not http(s), or a server the fleet has.
+        ValueError: the fleet has that server, however its URL is spelled.
     """
-    client = as_clients(server)[0]
-    if any(c.base_url == client.base_url for c in route.clients):
-        raise ValueError(f"{client.base_url} is already one of this sender's servers")
-    return client
+    same = [c for c in route.clients if c.server_key == client.server_key]
+    if same:
+        spelled = "" if same[0].base_url == client.base_url else f" (as {same[0].base_url})"
+        raise ValueError(f"{client.base_url} is already one of this sender's servers{spelled}")
 
 
 def leave_out(route: Route, gone: Sequence[VLLMClient]) -> None:

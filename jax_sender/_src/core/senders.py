@@ -232,9 +232,12 @@ def drop_server(self: Any, server: str | VLLMClient) -> None:
     ``config.reconnect_timeout_s``. A server that is gone is left
     without a word to it (a warning says so); one that answers is
     released, ready for another trainer. Single-process senders only.
+    Drops from several threads at once are made one after another, so
+    the sender always keeps a server.
 
     Args:
-        server: its URL (one of ``servers``), or its client.
+        server: its URL (one of ``servers``, however spelled: see
+            ``uniqueid.http.url.server_key``), or its client.
 
     Raises:
         ValueError: not one of ``servers``, or the last one (``close()``).
@@ -251,14 +254,16 @@ def add_server(self: Any, server: str | VLLMClient, *, workers: int | None = Non
     the sender as it was; then the group is formed again with every
     server, like ``reconnect()``, within ``config.reconnect_timeout_s``.
     The next push sends every tensor with its metadata. Single-process
-    senders only.
+    senders only. A server is one server however its URL is spelled, and
+    however many threads add it at once: it is taken in once.
 
     Args:
         server: its URL, or a ``VLLMClient``.
         workers: its worker count, asked when not given.
 
     Raises:
-        ValueError: a URL that is not http(s), or already one of ``servers``.
+        ValueError: a URL that is not http(s), or already one of
+            ``servers`` (however spelled).
         TransferError: a multi-process sender.
         RendezvousError: it cannot join (nothing changed), or the new
             group did not form.

@@ -46,6 +46,7 @@ from uniqueid import (
     RendezvousError,
     VLLMClient,
     VLLMConnectionError,
+    as_clients,
     release_each,
     world_sizes,
 )
@@ -575,22 +576,26 @@ class Session:
 
     def drop_server(self, server: str | VLLMClient) -> None:
         """Leave ``server`` out: a new group with the others (``fleet.py``).
+        It is looked up in this sender's turn, so drops from two threads
+        at once cannot leave it without a server.
 
         Args:
-            server: its URL, or its client.
+            server: its URL (however spelled), or a client of it.
 
         Raises:
             TransferError: a multi-process sender.
             ValueError: not one of the servers, or the last one.
             RendezvousError, SenderClosed: as ``reconnect``.
         """
-        leaving = fleet.find(fleet.single(self.route, "drop_server()"), server)
-        self._reform(leaving=leaving)
+        fleet.single(self.route, "drop_server()")
+        self._reform(leaving=server)
 
     def add_server(self, server: str | VLLMClient, *, workers: int | None = None) -> None:
         """Take ``server`` in: its world size is asked (or ``workers``
         checked) before the running group is touched, then a new group is
-        formed with every server (``fleet.py``).
+        formed with every server (``fleet.py``). Whether the fleet has it
+        already is decided in this sender's turn, so adds of one server
+        from two threads at once take it once.
 
         Args:
             server: its URL, or a client.
@@ -598,13 +603,14 @@ class Session:
 
         Raises:
             TransferError: a multi-process sender.
-            ValueError: a URL that is not http(s), or already a server.
+            ValueError: a URL that is not http(s), or already a server
+                (however its URL is spelled).
             RendezvousError: it cannot join (the group is left as it was),
                 or the new group could not be formed.
             SenderClosed: as ``reconnect``.
         """
         route = fleet.single(self.route, "add_server()")
-        client = fleet.joining(route, server)
+        client = as_clients(server)[0]
         try:
             self._reform(joining=(client, workers))
         except BaseException:
@@ -612,7 +618,7 @@ class Session:
                 client.close()  # made here, never taken in
             raise
 
-    def _reform(self, *, drop_dead: bool = False, leaving: VLLMClient | None = None,
+    def _reform(self, *, drop_dead: bool = False, leaving: str | VLLMClient | None = None,
                 joining: tuple[VLLMClient, int | None] | None = None) -> list[DroppedServer]:
         """Form the group anew with the fleet changed (see ``reconnect``,
         ``drop_server``, ``add_server``), on this sender's turn."""
@@ -621,16 +627,17 @@ class Session:
         return self.in_turn(lambda ticket: self._reformed(drop_dead, leaving, joining),
                             ready=False)
 
-    def _reformed(self, drop_dead: bool, leaving: VLLMClient | None,
+    def _reformed(self, drop_dead: bool, leaving: str | VLLMClient | None,
                   joining: tuple[VLLMClient, int | None] | None) -> list[DroppedServer]:
         deadline = Deadline(self.config.reconnect_timeout_s)
+        gone = None if leaving is None else fleet.find(self.route, leaving)
         if joining is not None:
             self._take_in(*joining, deadline)
         self.broken = self.broken or "reconnecting"
         # Half the deadline for the releases: a stuck server must leave time to
         # form the group with the others (drop_dead).
         released = self._let_go(Deadline(self.config.reconnect_timeout_s / 2))
-        dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=leaving)
+        dropped = fleet.settle(self.route, released, drop_dead=drop_dead, leaving=gone)
         self.connection = self.route.form(deadline.left())
         self.broken = ""
         if joining is not None:
@@ -638,9 +645,11 @@ class Session:
         return dropped
 
     def _take_in(self, client: VLLMClient, workers: int | None, deadline: Deadline) -> None:
-        """Ask (or check) ``client``'s worker count, then add it to the fleet."""
-        count = world_sizes([client], workers, deadline)[0]
+        """Refuse a server the fleet has; ask (or check) ``client``'s worker
+        count; then add it to the fleet."""
         route = fleet.single(self.route, "add_server()")
+        fleet.refuse_known(route, client)
+        count = world_sizes([client], workers, deadline)[0]
         if route.workers is not None:
             route.workers = [*route.workers, count]
         route.clients.append(client)

@@ -8,6 +8,7 @@ plane replaced by one that moves nothing)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from nccl_cffi import Deadline
 from uniqueid import RendezvousError, ServerStuck, VLLMClient, VLLMConnectionError
 from uniqueid.http.fleet import call_all
 
-from support.concurrency import wait_for
+from support.concurrency import inside, wait_for
 from support.pushes import SMALL, answered, calls, expected, held, params, pushed
 from support.servers import memory_link
 from support.servers.idle_servers import IdleServers
@@ -395,6 +396,97 @@ def test_add_server_that_cannot_join_leaves_the_sender_as_it_was():
         sender.add_server(a.url)
     sender.send(params(2))
     assert exact([a, b], params(2))
+
+
+def test_a_server_is_one_server_however_its_url_is_spelled():
+    """Before, ``http://localhost:P`` was taken as a new server beside
+    ``127.0.0.1:P`` (its init made twice in one group)."""
+    sender, (a, b), _ = memory_sender(SMALL, servers=2)
+    port = a.url.rsplit(":", 1)[1]
+    for spelled in (f"http://localhost:{port}", f"HTTP://127.000.000.001:0{port}/"):
+        with pytest.raises(ValueError, match=r"is already one of this sender's servers "
+                                             rf"\(as {re.escape(a.url)}\)$"):
+            sender.add_server(spelled)
+    sender.drop_server(f"http://localhost:0{port}/")
+    assert sender.servers == (b.url,)
+    sender.send(params(1))
+    assert held(b) == expected(params(1))
+
+
+def _racing(change, args, gate) -> list[BaseException | None]:
+    """``change(arg)`` on a thread per arg, at once, ``gate`` held until one
+    of them holds the sender's turn (inside it, held by ``gate``) and every
+    other waits for it; what each raised (None if nothing), in ``args`` order."""
+    out: list[BaseException | None] = [None] * len(args)
+
+    def run(i: int) -> None:
+        try:
+            change(args[i])
+        except BaseException as e:  # reported to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: gate.arrived() and sum(inside(t, "_take_turn")
+                                                      for t in threads) == len(args) - 1)
+    finally:
+        gate.release()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+class Gate:
+    """``server.hold[path]``: ``arrived()`` once a call of it came, ``release()`` lets it go."""
+
+    def __init__(self, server, path: str):
+        self.server, self.path, self.before = server, path, len(calls(server, path))
+        self.event = server.hold[path] = threading.Event()
+
+    def arrived(self) -> bool:
+        return len(calls(self.server, self.path)) > self.before
+
+    def release(self) -> None:
+        self.event.set()
+        self.server.hold.pop(self.path)
+
+
+def test_one_server_added_by_two_threads_at_once_is_taken_once():
+    """Both adds passed the check before either took the server in: it was
+    inited twice in one group, and the next push failed. Now the second is
+    refused, and the fleet pushes."""
+    sender, (a, b), _ = memory_sender(SMALL, servers=2)
+    sender.drop_server(b.url)
+    port = b.url.rsplit(":", 1)[1]
+    errors = _racing(sender.add_server, [b.url, f"http://localhost:{port}"],
+                     Gate(b, "/get_world_size"))
+    assert sorted(e is None for e in errors) == [False, True], errors
+    refused = next(e for e in errors if e is not None)
+    assert isinstance(refused, ValueError) and "already one of this sender's servers" in str(
+        refused), refused
+    assert len(sender.servers) == 2 and not sender.broken
+    assert len(calls(b, "/init_weight_transfer_engine")) == 2  # its first group, and this one
+    sender.send(params(1))
+    assert exact([a, b], params(1))
+
+
+def test_two_threads_dropping_the_two_last_servers_at_once_keep_one():
+    """Both drops passed the last-server check first: ``servers == ()`` and
+    the sender broken. Now the second is refused, and the one left pushes."""
+    sender, (a, b), _ = memory_sender(SMALL, servers=2)
+    sender.send(params(1))
+    errors = _racing(sender.drop_server, [a.url, b.url],
+                     Gate(a, "/shutdown_weight_transfer_engine"))
+    assert sorted(e is None for e in errors) == [False, True], errors
+    refused = next(e for e in errors if e is not None)
+    assert isinstance(refused, ValueError) and "last server: close()" in str(refused), refused
+    kept = [s for s, e in zip((a, b), errors) if e is not None]
+    assert sender.servers == (kept[0].url,) and not sender.broken
+    sender.send(params(2))
+    assert held(kept[0]) == expected(params(2))
 
 
 def test_reconnect_drop_dead_drops_a_stuck_server_within_its_deadline():

@@ -543,6 +543,10 @@ NOT_VLLMS = {
                                      _generate(logprobs=False), "5000 token_ids"),
     "a token id that is a bool": (_set((*FIRST, "token_ids"), [True]), _generate(False),
                                   "token_ids [True]"),
+    "a token id past int32": (_set((*FIRST, "token_ids"), [2**40]), _generate(False),
+                              "token_ids [1099511627776]"),
+    "a prompt token id past int32": (_set((*FIRST, "prompt_token_ids"), [2**31, 3]),
+                                     _generate(), "prompt_token_ids [2147483648, 3]"),
     "an index of null": (_set((*FIRST, "index"), None), _generate(), "index fields are [None, 1]"),
     "an index that is a string": (_set((*FIRST, "index"), "0"), _generate(), "index fields"),
     "prompt_token_ids a number": (_set((*FIRST, "prompt_token_ids"), 5), _generate(),
@@ -561,8 +565,9 @@ NOT_VLLMS = {
 def test_an_answer_vllm_never_sends_is_refused_naming_the_route_and_field(tunix, mangle, call,
                                                                            field):
     """Before, the logprobs reached the RL loss (NaN, inf, positive), 5000 tokens
-    came back for max_tokens=4, a text of null became "None", and an index of
-    null or prompt_token_ids of 5 escaped as a builtin TypeError."""
+    came back for max_tokens=4, a text of null became "None", an index of
+    null or prompt_token_ids of 5 escaped as a builtin TypeError, and a token
+    id past int32 as a bare OverflowError."""
     from uniqueid import VLLMProtocolError
     server = CompletionsServer(vocab_size=V, eos_id=EOS, mangle=mangle)
     rollouts = []
