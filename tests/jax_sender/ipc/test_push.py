@@ -224,3 +224,50 @@ def test_the_clients_colocation_routes_are_vllms_own(server):
         ("/wake_up", "tags=weights", 200), ("/wake_up", "tags=kv_cache", 200),
         ("/is_sleeping", "", 200), ("/sleep", "level=0&mode=abort", 200),
         ("/is_sleeping", "", 200), ("/sleep", "level=2&mode=abort", 200), ("/wake_up", "", 200)]
+
+
+TWO_DEVICES = r"""
+import hashlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax_sender import SendConfig
+from jax_sender._src.core.tensors.naming import Mapping
+from jax_sender._src.ipc.sender import open_ipc_sender
+from uniqueid import VLLMClient
+from support.ipc_fabric import FabricMemory, uuid_of
+devs = jax.devices()
+assert len(devs) == 2, devs
+memory = FabricMemory()
+sender = open_ipc_sender([VLLMClient(sys.argv[1])], {0: devs[0], 1: devs[1]}, mapping=Mapping(),
+                         config=SendConfig(packed=sys.argv[2] == "packed", buffer_size_bytes=4096),
+                         memory=memory, strict_devices=True)
+conn = sender.session.connection
+assert conn.ranks == [uuid_of(0), uuid_of(1)] and conn.uuids == {0: uuid_of(0), 1: uuid_of(1)}
+full = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8)
+params = {"sharded": jax.device_put(full, NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))),
+          "on1": jax.device_put(jnp.arange(5, dtype=jnp.int32), devs[1]),
+          "on0": jnp.ones((3, 3), jnp.bfloat16)}
+sender.send(params)
+held = conn.client.weight_checker("checksum")["checksums"]
+for name, a in params.items():
+    digest = hashlib.sha256(np.asarray(a).tobytes()).hexdigest()
+    assert [held[f"dp0:pp0:pcp0:tp{r}:{name}"] for r in (0, 1)] == [digest] * 2, name
+assert sender.verify(params).ok
+assert len({b.device for b in memory.exported if b.nbytes > 256}) == 2  # a buffer on each GPU
+sender.close()
+assert memory.alive() == []
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked"])
+def test_one_process_with_two_gpus_feeds_the_worker_on_each(tmp_path, mode):
+    """A worker on each of the trainer's two devices reads its own device's
+    buffer, filled from that device's copy (a sharded array gathered on
+    device); one payload for both (their GPUs differ)."""
+    with ipc_server(tmp_path, gpus="0,1") as (url, _):
+        env = on_tests_path(dict(os.environ, JAX_PLATFORMS="cpu",
+                                 XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+        out = subprocess.run([__import__("sys").executable, "-c", TWO_DEVICES, url, mode],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
