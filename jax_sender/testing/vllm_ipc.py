@@ -26,8 +26,16 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from .vllm_sparse import module_alone
-from .vllm_workers import Client, Workers, app, attach, load_vllm, parallel_config, worker_envs
+from .vllm_workers import (
+    Client,
+    Workers,
+    app,
+    attach,
+    load_vllm,
+    parallel_config,
+    rpc_table,
+    worker_envs,
+)
 
 
 def _model(device: str, fail_after: int) -> Any:
@@ -68,7 +76,6 @@ def worker_calls(rank: int, tp: int, device: str, opts: dict[str, Any]) -> dict[
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-    checksum = module_alone("vllm.model_executor.model_loader.weight_checksum")
     model = _model(device, opts["fail_load_after"])
 
     class Engine(IPCWeightTransferEngine):
@@ -84,21 +91,7 @@ def worker_calls(rank: int, tp: int, device: str, opts: dict[str, Any]) -> dict[
     Engine.__name__ = Engine.__qualname__ = "IPCWeightTransferEngine"
     config = SimpleNamespace(parallel_config=parallel_config(rank, tp), model_config=None)
     engine = Engine(WeightTransferConfig(backend="ipc"), config, torch.device(device), model)
-    prefix = f"dp0:pp0:pcp0:tp{rank}:"
-
-    def update(info: dict) -> None:
-        engine.receive_weights(engine.parse_update_info(info))
-        if device != "cpu":
-            torch.cuda.synchronize()
-
-    return {
-        "init": lambda info: engine.init_transfer_engine(engine.parse_init_info(info)),
-        "start": engine.start_weight_update, "update": update,
-        "finish": engine.finish_weight_update, "shutdown": engine.shutdown,
-        "checksums": lambda: {prefix + k: v for k, v in
-                              checksum.compute_tensor_digests(model).items()},
-        "reset": lambda: checksum.zero_weights(model),
-    }
+    return rpc_table(engine, model, rank, device)
 
 
 def _routes(args: argparse.Namespace) -> tuple[list[Any], Any]:

@@ -38,8 +38,16 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from .vllm_sparse import module_alone
-from .vllm_workers import Client, Workers, app, attach, load_vllm, parallel_config, worker_envs
+from .vllm_workers import (
+    Client,
+    Workers,
+    app,
+    attach,
+    load_vllm,
+    parallel_config,
+    rpc_table,
+    worker_envs,
+)
 
 TOY = (  # name, shape, dtype, loader
     ("layers.0.mlp.up_proj.weight", (16, 8), "bfloat16", "column"),
@@ -127,24 +135,7 @@ def _engine(rank: int, tp: int, device: str) -> tuple[Any, Any]:
 
 def worker_calls(rank: int, tp: int, device: str, opts: dict[str, Any]) -> dict[str, Any]:
     """One worker's RPC table (``vllm_workers``): vLLM's M2N engine into the toy model."""
-    import torch
-    checksum = module_alone("vllm.model_executor.model_loader.weight_checksum")
-    compute_tensor_digests, zero_weights = checksum.compute_tensor_digests, checksum.zero_weights
-    engine, model = _engine(rank, tp, device)
-    prefix = f"dp0:pp0:pcp0:tp{rank}:"
-
-    def update(info: dict) -> None:
-        engine.receive_weights(engine.parse_update_info(info))
-        if device != "cpu":
-            torch.cuda.synchronize()
-
-    return {
-        "init": lambda info: engine.init_transfer_engine(engine.parse_init_info(info)),
-        "start": engine.start_weight_update, "update": update,
-        "finish": engine.finish_weight_update, "shutdown": engine.shutdown,
-        "checksums": lambda: {prefix + k: v for k, v in compute_tensor_digests(model).items()},
-        "reset": lambda: zero_weights(model),
-    }
+    return rpc_table(*_engine(rank, tp, device), rank, device)
 
 
 def main() -> None:

@@ -143,6 +143,32 @@ def attach(model: Any, name: str, param: Any) -> None:
 
 
 
+def rpc_table(engine: Any, model: Any, rank: int, device: str) -> dict[str, Callable[..., Any]]:
+    """One worker's RPCs over vLLM's weight-transfer ``engine`` and its
+    ``model``: the engine's own calls, each update synchronised on a GPU,
+    vLLM's digests (under the worker's ``dp0:pp0:pcp0:tp{rank}:`` prefix)
+    and its reset of the weights."""
+    import torch
+
+    from .vllm_sparse import module_alone
+    checksum = module_alone("vllm.model_executor.model_loader.weight_checksum")
+    prefix = f"dp0:pp0:pcp0:tp{rank}:"
+
+    def update(info: dict) -> None:
+        engine.receive_weights(engine.parse_update_info(info))
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return {
+        "init": lambda info: engine.init_transfer_engine(engine.parse_init_info(info)),
+        "start": engine.start_weight_update, "update": update,
+        "finish": engine.finish_weight_update, "shutdown": engine.shutdown,
+        "checksums": lambda: {prefix + k: v
+                              for k, v in checksum.compute_tensor_digests(model).items()},
+        "reset": lambda: checksum.zero_weights(model),
+    }
+
+
 def _worker(rank: int, tp: int, opts: dict[str, Any], env: dict[str, str], conn: Any) -> None:
     """A worker process: one vLLM worker's engine (``opts["calls"]``),
     answering RPCs in order."""

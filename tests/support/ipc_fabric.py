@@ -149,21 +149,33 @@ def _rebuild(tensor_cls: Any, size: Any, stride: Any, offset: int, storage_cls: 
 
 
 def _release(counter: str, slot: int) -> None:
-    """Torch's receiver giving an export back (see the module docstring)."""
+    """Torch's receiver giving an export back (see the module docstring);
+    the header's updates atomic, as torch's ``std::atomic`` makes them (two
+    workers release at once: without that, one could take it to 0 and
+    unlink the file under the other)."""
     try:
         fd = os.open(f"/dev/shm{counter}", os.O_RDWR)
     except FileNotFoundError:
         return
     try:
         mm = mmap.mmap(fd, 0)
+        _add(fd, mm, 0, "<i", 1)
+        _add(fd, mm, 64 + 8 * slot, "<q", -1)
+        header = _add(fd, mm, 0, "<i", -1)
+        mm.close()
     finally:
         os.close(fd)
-    header = struct.unpack_from("<i", mm, 0)[0]
-    struct.pack_into("<i", mm, 0, header + 1)
-    at = 64 + 8 * slot
-    struct.pack_into("<q", mm, at, struct.unpack_from("<q", mm, at)[0] - 1)
-    header = struct.unpack_from("<i", mm, 0)[0] - 1
-    struct.pack_into("<i", mm, 0, header)
-    mm.close()
     if header == 0:
         os.unlink(f"/dev/shm{counter}")
+
+
+def _add(fd: int, mm: mmap.mmap, at: int, fmt: str, delta: int) -> int:
+    """``mm[at] += delta`` under the file's lock; the new value."""
+    import fcntl
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    try:
+        value = struct.unpack_from(fmt, mm, at)[0] + delta
+        struct.pack_into(fmt, mm, at, value)
+        return value
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)

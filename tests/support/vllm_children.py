@@ -6,12 +6,14 @@ variable that names a broken interpreter fails them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,36 @@ def wait_until(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < end, what
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def vllm_host(module: str, *args: str, log: Path, env: dict[str, str] | None = None,
+              start_s: float = 240.0) -> Iterator[str]:
+    """``python -m MODULE --port P --log LOG ARGS`` (one of
+    ``jax_sender.testing``'s hosts of vLLM's real engines) in the children's
+    interpreter, from the repository root with ``tests/`` on its path; its
+    URL once it answers, within ``start_s``; killed on the way out."""
+    import httpx
+
+    from jax_sender.testing.harness import free_port
+
+    from . import ROOT, on_tests_path
+    port = free_port()
+    proc = subprocess.Popen(
+        [interpreter(), "-m", module, "--port", str(port), "--log", str(log), *args],
+        env=on_tests_path(dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url, end = f"http://127.0.0.1:{port}", time.monotonic() + start_s
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                httpx.get(url + "/get_world_size", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < end, f"{module} did not start within {start_s} s"
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(30)

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import subprocess
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,44 +25,23 @@ import pytest
 from jax_sender import SendConfig, SendError, TransferError
 from jax_sender._src.core.tensors.naming import Mapping
 from jax_sender._src.ipc.sender import open_ipc_sender
-from jax_sender.testing.harness import free_port
 from uniqueid import RendezvousError, VLLMClient
 
 from support import ROOT, on_tests_path
 from support.ipc_fabric import FabricMemory, uuid_of
-from support.vllm_children import interpreter
+from support.vllm_children import vllm_host
 
 CPU = jax.devices("cpu")[0]
 
 
 @contextlib.contextmanager
 def ipc_server(tmp_path, *args: str, gpus: str = "0,0", pickles: bool = True):
-    """vLLM's ipc engine in one worker per entry of ``gpus``, on CPU."""
-    python = interpreter()
-    port, log = free_port(), tmp_path / "requests.jsonl"
-    env = on_tests_path(dict(os.environ, PYTHONUNBUFFERED="1",
-                             VLLM_ALLOW_INSECURE_SERIALIZATION="1" if pickles else "0"))
-    proc = subprocess.Popen(
-        [python, "-m", "jax_sender.testing.vllm_ipc", "--port", str(port), "--log", str(log),
-         "--cpu", "--gpus", gpus, "--plane", "support.ipc_fabric:", *args],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-    end = time.monotonic() + 240
-    try:
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                httpx.get(url + "/get_world_size", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < end, "vLLM's IPC server did not start within 240 s"
-                time.sleep(0.5)
+    """vLLM's ipc engine in one worker per entry of ``gpus``, on CPU; (url, log)."""
+    log = tmp_path / "requests.jsonl"
+    with vllm_host("jax_sender.testing.vllm_ipc", "--cpu", "--gpus", gpus,
+                   "--plane", "support.ipc_fabric:", *args, log=log,
+                   env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if pickles else "0"}) as url:
         yield url, log
-    finally:
-        proc.kill()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")

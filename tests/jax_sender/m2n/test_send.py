@@ -12,7 +12,6 @@ are checked by vLLM's own ``/weight_checker`` digests on every worker.
 
 import json
 import queue
-import subprocess
 import threading
 import time
 
@@ -23,12 +22,10 @@ import numpy as np
 import pytest
 
 from jax_sender import Mapping, SendConfig, SendError, UpdateIncomplete
-from jax_sender.testing.harness import free_port
 from jax_sender.testing.vllm_m2n import EXPECTED_DESTINATIONS, TOY
 
-from support import ROOT, on_tests_path
 from support.m2n_fabric import Fabric, m2n_sender_on
-from support.vllm_children import interpreter
+from support.vllm_children import vllm_host
 
 
 def _params(seed: int) -> dict:
@@ -42,29 +39,11 @@ def _params(seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    python = interpreter()
     fabric = Fabric()
-    port, log = free_port(), tmp_path_factory.mktemp("m2n") / "requests.jsonl"
-    env = on_tests_path(dict(__import__("os").environ, PYTHONUNBUFFERED="1"))
-    proc = subprocess.Popen(
-        [python, "-m", "jax_sender.testing.vllm_m2n", "--port", str(port), "--log", str(log),
-         "--cpu", "--gpus", "0,1", "--plane", f"support.children.m2n_fabric_worker:{fabric.address}"],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-    end = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        try:
-            httpx.get(url + "/get_world_size", timeout=2)
-            break
-        except httpx.HTTPError:
-            assert time.monotonic() < end, "vLLM's M2N server did not start within 240 s"
-            time.sleep(0.5)
-    yield url, fabric, log
-    proc.kill()
-    proc.wait(30)
+    log = tmp_path_factory.mktemp("m2n") / "requests.jsonl"
+    with vllm_host("jax_sender.testing.vllm_m2n", "--cpu", "--gpus", "0,1", "--plane",
+                   f"support.children.m2n_fabric_worker:{fabric.address}", log=log) as url:
+        yield url, fabric, log
     fabric.close()
 
 
