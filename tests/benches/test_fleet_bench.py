@@ -28,7 +28,7 @@ def test_the_report_prints_each_size_of_a_committed_run(bench, run):
     data = json.loads(run.read_text())
     text = bench.fleet.report(data)
     rows = {(c[0], c[1]): c for c in map(cells, text.splitlines())
-            if c[0].isdigit() and len(c) == 12}
+            if c[0].isdigit() and len(c) == 13}
     assert len(rows) == len(data["rows"])
     for r in data["rows"]:
         got = rows[(str(r["workers"]), str(r["servers"]))]
@@ -36,7 +36,8 @@ def test_the_report_prints_each_size_of_a_committed_run(bench, run):
         assert got[4] == f"{median(r['push_s']) * 1e3:.1f}"
         assert got[5] == f"{median(r['own_s']) * 1e3:.1f}"
         assert got[6] == f"{median(r['cpu_s']) * 1e3:.1f}"
-        assert got[9:] == [str(r["threads"]), str(r["fds"]), f"{r['memory_mib']:.0f}"]
+        assert got[7] == f"{median(r['cpu_s']) * 1e3 / r['servers']:.3f}"
+        assert got[10:] == [str(r["threads"]), str(r["fds"]), f"{r['memory_mib']:.0f}"]
     assert f"{data['load_start'][0]:.2f}" in text and f"{data['load_end'][0]:.2f}" in text
 
 
