@@ -152,6 +152,39 @@ class VLLMProtocolError(RendezvousError):
         return type(self), (str(self), self.route)
 
 
+def _json(value: Any) -> bytes:
+    """``value`` as vLLM's router reads it: compact JSON, UTF-8, no NaN."""
+    return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+class Encoded:
+    """A route's argument encoded once as JSON, for the same body to many
+    servers (``fleet.on_each``): an update's payload names every tensor, and
+    encoding it again for each of a thousand servers was a twentieth of a
+    push. The body that holds it is the same to the byte.
+
+    Args:
+        value: the argument (a JSON value).
+
+    Raises:
+        ValueError, TypeError: ``value`` is not JSON (NaN and infinities
+            included).
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, value: Any):
+        self.data = _json(value)
+
+
+def _body(json: Any) -> bytes:
+    """A request's body: ``json`` encoded, its ``Encoded`` values as they were."""
+    if not isinstance(json, dict) or not any(type(v) is Encoded for v in json.values()):
+        return _json(json)
+    return b"{" + b",".join(_json(k) + b":" + (v.data if type(v) is Encoded else _json(v))
+                            for k, v in json.items()) + b"}"
+
+
 def _seconds(name: str, value: Any) -> float:
     """``value`` as a timeout: seconds above 0, at most ``MAX_TIMEOUT_S`` (past
     about 9.2e9 s a socket's timeout overflows)."""
@@ -185,8 +218,9 @@ def _check_final(status: int, headers: list[tuple[bytes, bytes]], where: str,
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
-    """Every value of header ``name``, joined by commas ('' if absent)."""
-    return ",".join(v.decode("latin-1").strip() for k, v in headers if k.lower() == name)
+    """Every value of header ``name`` (lower case, as the fields' names are), joined by commas
+    ('' if absent)."""
+    return ",".join(v.decode("latin-1").strip() for k, v in headers if k == name)
 
 
 def _route(impl: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
@@ -248,7 +282,7 @@ class VLLMClient:
         self._headers = [(b"Host", parts.netloc.rpartition("@")[2].encode("idna")),
                          *self._merge_headers(api_key, headers or {})]
         self._pool = transport.Pool(parts.hostname, parts.port or (443 if tls else 80), tls)
-        self._heads: dict[tuple[Any, ...], h11.Request] = {}  # see _head; the loop's only
+        self._heads: dict[tuple[Any, ...], bytes] = {}  # see _head; the loop's only
         self._closed = False
 
     @staticmethod
@@ -346,20 +380,20 @@ class VLLMClient:
                     seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         body = None
         if json is not None:
-            body = jsonlib.dumps(json, ensure_ascii=False, separators=(",", ":"),
-                                 allow_nan=False).encode()
+            body = _body(json)
         elif method.upper() != "GET":
             body = b""  # Content-Length: 0, which some proxies insist on
         return await self._pool.exchange(self._head(method, target, json is not None, body),
                                          body, max_body=self.max_body_bytes,
                                          connect_timeout=min(self.connect_timeout, seconds))
 
-    def _head(self, method: str, target: str, is_json: bool, body: bytes | None) -> h11.Request:
-        """The request's line and headers, kept per route and body length:
-        h11 checks every header of a request it is given, which was a fifth
-        of a fleet's push (the same few requests, over and over)."""
+    def _head(self, method: str, target: str, is_json: bool, body: bytes | None) -> bytes:
+        """The request's line and fields as sent, kept per route and body
+        length: h11 checks every field of a request and writes it, which
+        was a fifth of a fleet's push (the same few requests, over and over)."""
         key = (method, target, is_json, None if body is None else len(body))
-        if key not in self._heads:
+        head = self._heads.get(key)
+        if head is None:
             headers = list(self._headers)
             if is_json:
                 headers.append((b"Content-Type", b"application/json"))
@@ -367,8 +401,9 @@ class VLLMClient:
                 headers.append((b"Content-Length", str(len(body)).encode()))
             if len(self._heads) >= _HEADS_KEPT:
                 self._heads.clear()
-            self._heads[key] = h11.Request(method=method, target=target, headers=headers)
-        return self._heads[key]
+            head = self._heads[key] = h11.Connection(h11.CLIENT).send(
+                h11.Request(method=method, target=target, headers=headers))
+        return head
 
     def _too_big(self, where: str, route: str, status: int, how: str) -> VLLMProtocolError:
         return VLLMProtocolError(
@@ -491,12 +526,13 @@ class VLLMClient:
         return await self._call("POST", "/start_weight_update", timeout=timeout)
 
     @_route
-    async def update_weights(self, update_info: dict[str, Any], *,
+    async def update_weights(self, update_info: dict[str, Any] | Encoded, *,
                              timeout: float | None = None) -> Any:
         """``POST /update_weights``: answered once every tensor arrived.
 
         Args:
-            update_info: ``UpdateInfo.to_payload()`` (or the sparse one).
+            update_info: ``UpdateInfo.to_payload()`` (or the sparse one), or
+                it ``Encoded`` once for many servers.
             timeout: the call's deadline; ``self.transfer_timeout`` when None.
 
         Returns:
