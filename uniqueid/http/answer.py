@@ -68,7 +68,7 @@ class Answer:
         self.done = False
         self.keep = True
         self._buf = b""
-        self._scanned = 0  # how far the head was searched for its end
+        self._scanned = 0  # how far the head was searched for its end; the trailer's length
         self._left = 0  # bytes of the body (or of the chunk) still to come
         self._step = self._head  # reads what it can of the buffer; whether it moved on
 
@@ -185,10 +185,14 @@ class Answer:
         return True
 
     def _trailer(self) -> bool:
-        """The trailer's fields, up to the blank line (read, then dropped)."""
+        """The trailer's fields, up to the blank line (read, then dropped;
+        ``MAX_HEAD`` bytes of them at most)."""
         line = self._line()
         if line is None:
             return False
+        self._scanned += len(line) + 1
+        if self._scanned > MAX_HEAD:
+            raise Malformed(f"an answer's trailer over {MAX_HEAD} bytes")
         self.done = not line
         return True
 
