@@ -60,6 +60,9 @@ class Answer:
         keep: whether the connection may carry another exchange after it.
     """
 
+    __slots__ = ("max_body", "status", "headers", "body", "done", "keep", "_buf", "_scanned",
+                 "_left", "_step")
+
     def __init__(self, max_body: int):
         self.max_body = max_body
         self.status = 0
@@ -70,7 +73,9 @@ class Answer:
         self._buf = b""
         self._scanned = 0  # how far the head was searched for its end; the trailer's length
         self._left = 0  # bytes of the body (or of the chunk) still to come
-        self._step = self._head  # reads what it can of the buffer; whether it moved on
+        # Reads what it can of the buffer; whether it moved on. A function of
+        # the class, not a bound method: that would be an object per step.
+        self._step = Answer._head
 
     def feed(self, data: bytes) -> bool:
         """Take ``data``; whether the answer is complete.
@@ -83,7 +88,7 @@ class Answer:
             self.keep = False
             return True
         self._buf = self._buf + data if self._buf else data
-        while not self.done and self._step():
+        while not self.done and self._step(self):
             pass
         if self.done and self._buf:
             self.keep = False
@@ -92,7 +97,7 @@ class Answer:
     def end(self) -> bool:
         """The connection ended: whether that completes the answer (a body
         that runs to the connection's end)."""
-        if self._step == self._to_end:
+        if self._step is Answer._to_end:
             self.done, self.keep = True, False
         return self.done
 
@@ -124,15 +129,15 @@ class Answer:
         elif coding is not None:
             if coding.strip().lower() != b"chunked":
                 raise Malformed(f"Transfer-Encoding {coding[:40]!r}, not chunked")
-            self._step = self._chunk_size
+            self._step = Answer._chunk_size
         elif length is not None:
             self._left = _length_of(length)
             if self._left > self.max_body:
                 raise TooBig(self.status)
             self.done = self._left == 0
-            self._step = self._sized
+            self._step = Answer._sized
         else:
-            self._step, self.keep = self._to_end, False
+            self._step, self.keep = Answer._to_end, False
 
     def _take(self, most: int) -> int:
         """Up to ``most`` bytes of the buffer into the body; how many."""
@@ -165,14 +170,14 @@ class Answer:
         if size is None:
             raise Malformed(f"a chunk's size line {line[:40]!r}")
         self._left = int(size.group(1), 16)
-        self._step = self._chunk if self._left else self._trailer
+        self._step = Answer._chunk if self._left else Answer._trailer
         return True
 
     def _chunk(self) -> bool:
         self._left -= self._take(self._left)
         if self._left:
             return False
-        self._step = self._chunk_end
+        self._step = Answer._chunk_end
         return True
 
     def _chunk_end(self) -> bool:
@@ -181,7 +186,7 @@ class Answer:
             return False
         if line:
             raise Malformed("a chunk longer than its size")
-        self._step = self._chunk_size
+        self._step = Answer._chunk_size
         return True
 
     def _trailer(self) -> bool:

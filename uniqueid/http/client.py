@@ -152,9 +152,13 @@ class VLLMProtocolError(RendezvousError):
         return type(self), (str(self), self.route)
 
 
+# One encoder for every body: json.dumps with options makes one a call.
+_ENCODER = jsonlib.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def _json(value: Any) -> bytes:
     """``value`` as vLLM's router reads it: compact JSON, UTF-8, no NaN."""
-    return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(value).encode()
 
 
 class Encoded:
@@ -183,6 +187,14 @@ def _body(json: Any) -> bytes:
         return _json(json)
     return b"{" + b",".join(_json(k) + b":" + (v.data if type(v) is Encoded else _json(v))
                             for k, v in json.items()) + b"}"
+
+
+def _request_body(method: str, json: Any) -> bytes | None:
+    """What a request sends: ``json`` encoded; nothing for a GET without
+    it; else an empty body (``Content-Length: 0``, which some proxies insist on)."""
+    if json is not None:
+        return _body(json)
+    return None if method.upper() == "GET" else b""
 
 
 def _seconds(name: str, value: Any) -> float:
@@ -340,52 +352,46 @@ class VLLMClient:
 
     async def _call(self, method: str, route: str, *, json: Any = None,
                     params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """``request``'s call: sent and answered (status, fields, bounded
+        body) all within one deadline, the body's encoding included."""
         seconds = self.timeout if timeout is None else _seconds("timeout", timeout)
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         where = f"{method} {self.base_url}{route}"
         target = self._prefix + route + (f"?{urlencode(params)}" if params else "")
-        status, headers, raw = await self._exchange(method, target, json, seconds, where, route)
+        try:
+            with transport.within(seconds):
+                body = _request_body(method, json)
+                status, headers, raw = await self._pool.exchange(
+                    self._head(method, target, json is not None, body), body,
+                    max_body=self.max_body_bytes, connect_timeout=min(self.connect_timeout, seconds))
+        except (transport.Expired, transport.TooBig, transport.PeerClosed, transport.Malformed,
+                OSError) as e:
+            raise self._failed(e, where, route, seconds) from None
         _check_final(status, headers, where, route)
         return self._answer(status, headers, raw, where, route)
 
-    async def _exchange(self, method: str, target: str, json: Any, seconds: float, where: str,
-                        route: str) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
-        """Send, and read the status, headers and bounded raw body, all
-        within ``seconds`` (the body's encoding included)."""
-        try:
-            return await transport.within(seconds, self._send(method, target, json, seconds))
-        except transport.Expired:
-            raise VLLMTimeout(
+    def _failed(self, e: Exception, where: str, route: str, seconds: float) -> RendezvousError:
+        """The error of a call the transport ended with ``e``."""
+        if isinstance(e, transport.Expired):
+            return VLLMTimeout(
                 f"{where}: no answer within the timeout of {round(seconds, 3):g} s for the whole call; the "
                 "server may be stuck (e.g. its workers inside an NCCL call whose peer left, "
                 "where vLLM sets no deadline): check its log and restart it, or give the call "
-                "a longer timeout", route) from None
-        except transport.TooBig as e:
-            raise self._too_big(where, route, e.status, "as sent") from None
-        except transport.PeerClosed:
-            raise VLLMConnectionError(
+                "a longer timeout", route)
+        if isinstance(e, transport.TooBig):
+            return self._too_big(where, route, e.status, "as sent")
+        if isinstance(e, transport.PeerClosed):
+            return VLLMConnectionError(
                 f"{where}: the server closed the connection before its answer was complete; "
-                "check that it is up (its log says why it closed)", route) from None
-        except transport.Malformed as e:
-            raise VLLMProtocolError(
+                "check that it is up (its log says why it closed)", route)
+        if isinstance(e, transport.Malformed):
+            return VLLMProtocolError(
                 f"{where} answered something that is not valid HTTP/1.1 ({_quote(str(e))}); "
-                f"{_NOT_VLLM}", route) from None
-        except OSError as e:
-            raise VLLMConnectionError(
-                f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
-                "check the URL and that the server is up", route) from None
-
-    async def _send(self, method: str, target: str, json: Any,
-                    seconds: float) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
-        body = None
-        if json is not None:
-            body = _body(json)
-        elif method.upper() != "GET":
-            body = b""  # Content-Length: 0, which some proxies insist on
-        return await self._pool.exchange(self._head(method, target, json is not None, body),
-                                         body, max_body=self.max_body_bytes,
-                                         connect_timeout=min(self.connect_timeout, seconds))
+                f"{_NOT_VLLM}", route)
+        return VLLMConnectionError(
+            f"{where}: the connection failed ({type(e).__name__}: {_quote(str(e))}); "
+            "check the URL and that the server is up", route)
 
     def _head(self, method: str, target: str, is_json: bool, body: bytes | None) -> bytes:
         """The request's line and fields as sent, kept per route and body
@@ -443,9 +449,9 @@ class VLLMClient:
         if not raw:
             raise VLLMProtocolError(f"{where} answered HTTP {status} with no body; {_NOT_VLLM}",
                                     route)
-        try:
-            answer = jsonlib.loads(raw)
-        except (ValueError, RecursionError):
+        try:  # JSON is UTF-8 (RFC 8259), and decoded as such takes a third less time
+            answer = jsonlib.loads(raw.decode())
+        except (ValueError, RecursionError):  # UnicodeDecodeError included
             answer = None
         if not isinstance(answer, dict):
             raise VLLMProtocolError(

@@ -30,7 +30,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -175,8 +175,9 @@ DEADLINE_STEP_S = 0.01
 
 
 class _Expiry:
-    """One instant and the calls that expire at it, under one timer; a
-    call's task is counted once for each ``within`` it waits in."""
+    """One instant, its timer, and the calls that expire at it: ``with``
+    it, a block of a call's task is given up at the instant (see
+    ``within``); a task is counted once for each block it is in."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, at: float):
         self.at = at
@@ -190,10 +191,13 @@ class _Expiry:
         for task in self.tasks:
             task.cancel()
 
-    def join(self, task: asyncio.Task[Any]) -> None:
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         self.tasks[task] = self.tasks.get(task, 0) + 1
 
-    def leave(self, task: asyncio.Task[Any]) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        task = asyncio.current_task()
         left = self.tasks.pop(task) - 1
         if left:
             self.tasks[task] = left
@@ -201,36 +205,30 @@ class _Expiry:
             self.timer.cancel()
             if _expiries.get(self.at) is self:
                 del _expiries[self.at]
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and self.fired:
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancel was ours, not the caller's
+                task.uncancel()
+            raise Expired() from None
 
 
-async def within(seconds: float, awaitable: Awaitable[T]) -> T:
-    """``awaitable``, given up once ``seconds`` have passed (up to
-    ``DEADLINE_STEP_S`` later, never sooner).
+def within(seconds: float) -> _Expiry:
+    """A block of the running task given up once ``seconds`` have passed
+    (up to ``DEADLINE_STEP_S`` later, never sooner): ``with within(s):``.
 
-    Why not ``asyncio.wait_for``: it runs the awaitable as a task of its
-    own, one more per call; this cancels the caller's own task instead.
+    Why not ``asyncio.wait_for`` (a task more per call) nor
+    ``asyncio.timeout`` (a timer per call): this cancels the caller's own
+    task, from the one timer of every call that expires in the same step,
+    and makes no object per call.
 
     Raises:
-        Expired: the seconds passed (the awaitable was cancelled).
+        Expired: on leaving the block, the seconds passed (it was cancelled).
     """
-    task = asyncio.current_task()
-    assert task is not None
-    loop = task.get_loop()
+    loop = asyncio.get_running_loop()
     at = math.ceil((loop.time() + seconds) / DEADLINE_STEP_S) * DEADLINE_STEP_S
     expiry = _expiries.get(at)
     if expiry is None:
         expiry = _expiries[at] = _Expiry(loop, at)
-    expiry.join(task)
-    try:
-        return await awaitable
-    except asyncio.CancelledError:
-        if not expiry.fired:
-            raise
-        if hasattr(task, "uncancel"):  # Python 3.11+: this cancel was ours, not the caller's
-            task.uncancel()
-        raise Expired() from None
-    finally:
-        expiry.leave(task)
+    return expiry
 
 
 # -- a connection ----------------------------------------------------------------
@@ -279,7 +277,7 @@ class Connection(asyncio.Protocol):
         arrived = self._arrived
         if arrived is not None and not arrived.done():
             if error is None:
-                arrived.set_result(None)
+                arrived.set_result(self._answer)
             else:
                 arrived.set_exception(error)
 
@@ -295,34 +293,32 @@ class Connection(asyncio.Protocol):
         return self._reusable and not self.closed
 
     # The exchange.
-    async def exchange(self, head: bytes, body: bytes | None,
-                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
-        """Send the request (``head``: its line and fields; ``body``), read the answer.
-
-        Returns:
-            The status, the fields (names in lower case) and the raw body
-            (at most ``max_body`` bytes).
+    def send(self, head: bytes, body: bytes | None, max_body: int) -> asyncio.Future[Answer]:
+        """Send the request (``head``: its line and fields; ``body``); the
+        answer, once read (at most ``max_body`` bytes of body), then ``done``.
 
         Raises:
-            PeerClosed, Malformed, TooBig: see the module docstring.
+            PeerClosed, Malformed, TooBig: see the module docstring (the
+            last two, and the first once sent, from the future).
         """
         if self.closed:
             raise PeerClosed()
-        answer = self._answer = Answer(max_body)
+        self._answer = Answer(max_body)
         self._arrived = asyncio.get_running_loop().create_future()
         self._reusable = False
-        try:
-            if body and len(body) > WRITE_COPIED:  # a large body goes as it is, not copied
-                self.transport.write(head)
-                self.transport.write(body)
-            else:
-                self.transport.write(head + body if body else head)  # one write: one syscall
-            await self._arrived
-            self._reusable = answer.keep
-            return answer.status, answer.headers, answer.body  # not copied: up to max_body
-        finally:
-            self._answer = self._arrived = None
-            self.idle_since = time.monotonic()
+        if body and len(body) > WRITE_COPIED:  # a large body goes as it is, not copied
+            self.transport.write(head)
+            self.transport.write(body)
+        else:
+            self.transport.write(head + body if body else head)  # one write: one syscall
+        return self._arrived
+
+    def done(self) -> None:
+        """The exchange ended, however: what follows from the server is out of turn."""
+        if self._answer is not None and self._answer.done:
+            self._reusable = self._answer.keep
+        self._answer = self._arrived = None
+        self.idle_since = time.monotonic()
 
 
 # -- one server's connections ------------------------------------------------------
@@ -361,15 +357,17 @@ class Pool:
         Raises:
             Expired: the connection was not made within ``connect_timeout``.
             OSError: it could not be made, or failed while sending.
-            PeerClosed, Malformed, TooBig: see ``Connection.exchange``.
+            PeerClosed, Malformed, TooBig: see ``Connection.send``.
         """
         conn = self._kept() or await self._dial(connect_timeout)
         status = 0
         try:
-            status, headers, raw = await conn.exchange(head, body, max_body)
+            answer = await conn.send(head, body, max_body)
+            status = answer.status
         finally:
+            conn.done()
             self._done(conn, status)
-        return status, headers, raw
+        return status, answer.headers, answer.body  # not copied: up to max_body
 
     def _kept(self) -> Connection | None:
         if self._forks != _forks:  # a forked child: the parent's connections are not its own
@@ -383,9 +381,10 @@ class Pool:
 
     async def _dial(self, seconds: float) -> Connection:
         context = tls_context() if self.tls else None
-        _, conn = await within(seconds, asyncio.get_running_loop().create_connection(
-            Connection, self.host, self.port, ssl=context,
-            server_hostname=self.host if context else None))
+        with within(seconds):
+            _, conn = await asyncio.get_running_loop().create_connection(
+                Connection, self.host, self.port, ssl=context,
+                server_hostname=self.host if context else None)
         return conn
 
     def _done(self, conn: Connection, status: int) -> None:

@@ -27,11 +27,17 @@ async def answered_after(seconds: float) -> str:
     return "answer"
 
 
+async def inside(seconds: float, awaitable):
+    with transport.within(seconds):
+        return await awaitable
+
+
 async def outcome(seconds: float, awaitable) -> tuple[str, float]:
     """What ``within`` ended in, and when (loop time)."""
     start = asyncio.get_running_loop().time()
     try:
-        result = await transport.within(seconds, awaitable)
+        with transport.within(seconds):
+            result = await awaitable
     except transport.Expired:
         result = "expired"
     return result, asyncio.get_running_loop().time() - start
@@ -57,7 +63,7 @@ def test_a_deadline_passed_inside_another_of_the_same_step_is_the_inner_calls():
     dial inside a call's deadline): the inner one expires, the task goes on
     uncancelled, and the outer one still bounds what follows."""
     async def nested():
-        inner, _ = await outcome(0.2, transport.within(0.2, forever()))
+        inner, _ = await outcome(0.2, inside(0.2, forever()))
         task = asyncio.current_task()
         cancelling = task.cancelling() if hasattr(task, "cancelling") else 0  # Python 3.11+
         await asyncio.sleep(0.01)  # the task was not left cancelled
@@ -75,7 +81,7 @@ def test_a_callers_cancel_is_not_taken_for_a_deadline():
     their deadline."""
     async def two():
         loop = asyncio.get_running_loop()
-        given_up = loop.create_task(transport.within(5.0, forever()))
+        given_up = loop.create_task(inside(5.0, forever()))
         kept = loop.create_task(outcome(5.0, answered_after(0.2)))
         await asyncio.sleep(0.05)
         given_up.cancel()
