@@ -219,8 +219,10 @@ def cost_line(label: str, data: dict[str, Any], workers: int) -> str:
     rows = [r for r in data["rows"] if r["workers"] == workers]
     fixed, per = fit(rows)
     n = min(r["servers"] for r in rows)
+    most = max(rows, key=lambda r: r["servers"])
+    cpu = statistics.median(most["cpu_s"]) * 1e3 / most["servers"]
     return (f"{label} ({data.get('commit') or 'unknown'}): {fixed:.1f} ms at {n}, "
-            f"+ {per:.2f} ms a server")
+            f"+ {per:.2f} ms a server; CPU {cpu:.3f} ms a server at {most['servers']}")
 
 
 def table(data: dict[str, Any]) -> str:

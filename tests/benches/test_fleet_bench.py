@@ -41,13 +41,14 @@ def test_the_report_prints_each_size_of_a_committed_run(bench, run):
     assert f"{data['load_start'][0]:.2f}" in text and f"{data['load_end'][0]:.2f}" in text
 
 
-def test_the_per_server_cost_is_the_slope_from_the_fewest_servers_to_the_most(bench):
-    rows = [{"servers": n, "workers": 1, "push_s": [t, t + 1, t - 1]}
-            for n, t in ((1, 5.0), (4, 6.0), (64, 131.0))]
+def test_the_per_server_cost_is_the_slope_from_the_fewest_servers_to_the_most_and_the_cpu_there(bench):
+    rows = [{"servers": n, "workers": 1, "push_s": [t, t + 1, t - 1], "cpu_s": [c, c / 2, c * 2]}
+            for n, t, c in ((1, 5.0, 1.0), (4, 6.0, 2.0), (64, 131.0, 0.016))]
     fixed, per = bench.fleet.fit(rows)
     assert (fixed, per) == (5000.0, pytest.approx((131.0 - 5.0) * 1e3 / 63))
     line = bench.fleet.cost_line("this", {"commit": "abc", "rows": rows}, 1)
-    assert line == f"this (abc): 5000.0 ms at 1, + {(131.0 - 5.0) * 1e3 / 63:.2f} ms a server"
+    assert line == (f"this (abc): 5000.0 ms at 1, + {(131.0 - 5.0) * 1e3 / 63:.2f} ms a server; "
+                    "CPU 0.250 ms a server at 64")
 
 
 def test_a_short_run_measures_every_size_against_real_servers(tmp_path):

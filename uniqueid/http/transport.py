@@ -241,7 +241,7 @@ class Connection(asyncio.Protocol):
         self.closed = False  # either side closed it, or it cannot be reused
         self.idle_since = time.monotonic()
         self._answer: Answer | None = None  # the exchange's, while it reads
-        self._arrived: asyncio.Future[None] | None = None  # the answer whole, or failed
+        self._arrived: asyncio.Future[Answer] | None = None  # the answer whole, or failed
         self._reusable = False  # the last exchange ended cleanly on a kept connection
 
     # The loop's calls.
