@@ -26,11 +26,10 @@ MAX_LINE = 1024  # a chunk's size line, extensions included
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: (?:[ \t]|[^\x00\s])*)?")
 _NAME = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _VALUE = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
-# Every field line at once (one regex an answer, not one a line): checked, then split.
-_FIELDS = re.compile(rb"(?:" + _NAME + rb":[ \t]*" + _VALUE + rb"[ \t]*\r?\n)*")
-_FIELD_PAIRS = re.compile(rb"(" + _NAME + rb"):[ \t]*(" + _VALUE + rb")[ \t]*\r?\n")
+# Every field line at once (one regex an answer, not one a line): a line that
+# is not a field is the third group's.
+_FIELD_LINES = re.compile(rb"(?:(" + _NAME + rb"):[ \t]*(" + _VALUE + rb")[ \t]*|([^\n]*))\r?\n")
 _CHUNK = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\r\n]*)?[ \t]*")
-_BLANK = re.compile(rb"\r?\n\r?\n")
 
 
 class Malformed(Exception):
@@ -103,14 +102,14 @@ class Answer:
 
     # The steps, each on the buffer.
     def _head(self) -> bool:
-        at = _BLANK.search(self._buf, max(0, self._scanned - 3))
+        at = _blank(self._buf, max(0, self._scanned - 2))
         self._scanned = len(self._buf)
-        if at is None or at.start() > MAX_HEAD:
+        if at is None or at[0] > MAX_HEAD:
             if len(self._buf) > MAX_HEAD:
                 raise Malformed(f"an answer's head over {MAX_HEAD} bytes")
             return False
-        status_line, _, fields = self._buf[:at.start()].partition(b"\n")
-        self._buf, self._scanned = self._buf[at.end():], 0
+        status_line, _, fields = self._buf[:at[0]].partition(b"\n")
+        self._buf, self._scanned = self._buf[at[1]:], 0
         version, status = _status_of(status_line.rstrip(b"\r"))
         headers = _fields_of(fields + b"\n") if fields else []
         if status == 101:
@@ -217,6 +216,17 @@ class Answer:
         return b",".join(values) if values else None
 
 
+def _blank(buf: bytes, start: int) -> tuple[int, int] | None:
+    """Where the head in ``buf`` ends and what follows it starts: at its
+    first empty line (after CRLF or a bare LF, as h11 takes them), looked
+    for from ``start``; None before it arrived."""
+    crlf, lf = buf.find(b"\n\r\n", start), buf.find(b"\n\n", start)
+    if crlf < 0 and lf < 0:
+        return None
+    at, after = (crlf, crlf + 3) if lf < 0 or 0 <= crlf < lf else (lf, lf + 2)
+    return (at - 1 if at and buf[at - 1] == 13 else at), after  # 13: a CR ending the last line
+
+
 def _status_of(line: bytes) -> tuple[bytes, int]:
     """The minor version and the status of a status line."""
     match = _STATUS.fullmatch(line)
@@ -227,9 +237,10 @@ def _status_of(line: bytes) -> tuple[bytes, int]:
 
 def _fields_of(lines: bytes) -> list[tuple[bytes, bytes]]:
     """The field lines' names (lower case) and values (each line ends in a line break)."""
-    if _FIELDS.fullmatch(lines) is None:
+    found = _FIELD_LINES.findall(lines)
+    if any(other for _, _, other in found):
         raise Malformed("a field line that is not a name, a colon and a value")
-    return [(name.lower(), value) for name, value in _FIELD_PAIRS.findall(lines)]
+    return [(name.lower(), value) for name, value, _ in found]
 
 
 def _tokens(value: bytes | None) -> list[bytes]:
@@ -239,6 +250,8 @@ def _tokens(value: bytes | None) -> list[bytes]:
 
 def _length_of(value: bytes) -> int:
     """A ``Content-Length``: one number, or the same one repeated."""
+    if value.isdigit():
+        return int(value)
     lengths = set(_tokens(value))
     if len(lengths) != 1 or not (text := lengths.pop()).isdigit():
         raise Malformed(f"Content-Length {value[:40]!r}")
