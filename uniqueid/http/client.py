@@ -8,7 +8,8 @@ carries the NCCL unique id, a credential. So every call here
 * ends by one deadline for the whole call (connect, send, headers, body):
   per-read timeouts let a server that trickles a byte a second hold a call
   for ever. Every call runs on the process's one HTTP loop
-  (``transport.py``), whose timer ends it at its deadline wherever it is;
+  (``transport.py``), whose timers end it at its deadline (or up to 10 ms
+  after) wherever it is;
 * reads a bounded body: it asks for no compression, stops reading at
   ``max_body_bytes``, and inflates gzip or deflate itself with the same
   bound on what comes out (no gzip bomb, no endless body);
