@@ -28,7 +28,7 @@ def test_the_report_prints_each_size_of_a_committed_run(bench, run):
     data = json.loads(run.read_text())
     text = bench.fleet.report(data)
     rows = {(c[0], c[1]): c for c in map(cells, text.splitlines())
-            if c[0].isdigit() and len(c) == 12}
+            if c[0].isdigit() and len(c) == 13}
     assert len(rows) == len(data["rows"])
     for r in data["rows"]:
         got = rows[(str(r["workers"]), str(r["servers"]))]
@@ -36,17 +36,19 @@ def test_the_report_prints_each_size_of_a_committed_run(bench, run):
         assert got[4] == f"{median(r['push_s']) * 1e3:.1f}"
         assert got[5] == f"{median(r['own_s']) * 1e3:.1f}"
         assert got[6] == f"{median(r['cpu_s']) * 1e3:.1f}"
-        assert got[9:] == [str(r["threads"]), str(r["fds"]), f"{r['memory_mib']:.0f}"]
+        assert got[7] == f"{median(r['cpu_s']) * 1e3 / r['servers']:.3f}"
+        assert got[10:] == [str(r["threads"]), str(r["fds"]), f"{r['memory_mib']:.0f}"]
     assert f"{data['load_start'][0]:.2f}" in text and f"{data['load_end'][0]:.2f}" in text
 
 
-def test_the_per_server_cost_is_the_slope_from_the_fewest_servers_to_the_most(bench):
-    rows = [{"servers": n, "workers": 1, "push_s": [t, t + 1, t - 1]}
-            for n, t in ((1, 5.0), (4, 6.0), (64, 131.0))]
+def test_the_per_server_cost_is_the_slope_from_the_fewest_servers_to_the_most_and_the_cpu_there(bench):
+    rows = [{"servers": n, "workers": 1, "push_s": [t, t + 1, t - 1], "cpu_s": [c, c / 2, c * 2]}
+            for n, t, c in ((1, 5.0, 1.0), (4, 6.0, 2.0), (64, 131.0, 0.016))]
     fixed, per = bench.fleet.fit(rows)
     assert (fixed, per) == (5000.0, pytest.approx((131.0 - 5.0) * 1e3 / 63))
     line = bench.fleet.cost_line("this", {"commit": "abc", "rows": rows}, 1)
-    assert line == f"this (abc): 5000.0 ms at 1, + {(131.0 - 5.0) * 1e3 / 63:.2f} ms a server"
+    assert line == (f"this (abc): 5000.0 ms at 1, + {(131.0 - 5.0) * 1e3 / 63:.2f} ms a server; "
+                    "CPU 0.250 ms a server at 64")
 
 
 def test_a_short_run_measures_every_size_against_real_servers(tmp_path):

@@ -9,13 +9,13 @@ daemon thread (``vllm-http``), started on the first call. A blocking call
 hands its coroutine to the loop and waits (``run``); many calls at once
 (``fleet.Calls``) cost one handoff.
 
-A connection is an ``asyncio.Protocol`` over h11, httpcore's own HTTP/1.1
-state machine, so framing (lengths, chunks, the end of a body) is h11's,
-and nothing here is read unbounded: the body counts against a limit as it
-arrives, and reading pauses until the call has taken what came. Kept
-connections are reused while the server keeps them (one it closed, or
-idle past ``KEEP_ALIVE_S``, is dialled again); an https connection's TLS
-context is its client's (``settings.tls_context``: one per CA source).
+A connection is an ``asyncio.Protocol`` that reads each answer as it
+arrives (``answer.py``: the status line, the fields, where the body ends),
+and nothing is read unbounded: the body counts against the call's limit
+as it arrives. Kept connections are reused while the server keeps them
+(one it closed, or idle past ``KEEP_ALIVE_S``, is dialled again); an
+https connection's TLS context is its client's (``settings.tls_context``:
+one per CA source).
 
 What a call may end in, besides an answer: ``Expired`` (its deadline, see
 ``within``), ``PeerClosed``, ``Malformed``, ``TooBig``, or an ``OSError``
@@ -26,16 +26,17 @@ from the socket (``Untrusted``: an https certificate that did not verify);
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-import h11
+from .answer import Answer, Malformed, TooBig
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ T = TypeVar("T")
 # vLLM, closes them after 5 s of idling).
 KEEP_ALIVE_S = 5.0
 MAX_IDLE = 4  # kept connections per server
-READ_BYTES = 1 << 16
+WRITE_COPIED = 1 << 16  # a body up to this size goes out in one write with its head
 
 
 class Expired(Exception):
@@ -54,21 +55,9 @@ class PeerClosed(Exception):
     """The server closed the connection before its answer was complete."""
 
 
-class Malformed(Exception):
-    """The server answered something that is not valid HTTP/1.1."""
-
-
 class Untrusted(ConnectionError):
     """An https server's certificate did not verify (an ``OSError``, as the
     socket's other failures: its message says what to give)."""
-
-
-class TooBig(Exception):
-    """The answer's body is over the call's limit (``status``: its status)."""
-
-    def __init__(self, status: int):
-        super().__init__(status)
-        self.status = status
 
 
 # -- the loop ------------------------------------------------------------------
@@ -76,6 +65,8 @@ class TooBig(Exception):
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+_forks = 0  # how many forks this process is down from the one that made its pools
+_expiries: dict[float, _Expiry] = {}  # the calls' deadlines by instant (see within); the loop's only
 
 
 def loop() -> asyncio.AbstractEventLoop:
@@ -94,9 +85,12 @@ def loop() -> asyncio.AbstractEventLoop:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has no loop thread: it starts its own on its first call."""
-    global _loop, _thread, _lock
+    """A forked child has no loop thread: it starts its own on its first call,
+    and no connection of its parent's is its own (see ``Pool``)."""
+    global _loop, _thread, _lock, _forks
     _loop, _thread, _lock = None, None, threading.Lock()
+    _expiries.clear()
+    _forks += 1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -179,35 +173,68 @@ def submit(coro: Coroutine[Any, Any, T]) -> Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, loop())
 
 
-async def within(seconds: float, awaitable: Awaitable[T]) -> T:
-    """``awaitable``, given up once ``seconds`` have passed.
+# Calls whose deadlines fall within one step of this share one timer: a
+# phase starts a call on every server within milliseconds, each with the
+# same timeout, and a timer each was a tenth of a fleet's push. A call may
+# so end up to this much past its deadline, never before it.
+DEADLINE_STEP_S = 0.01
 
-    Why not ``asyncio.wait_for``: it runs the awaitable as a task of its
-    own, one more per call; this cancels the caller's own task instead.
+
+class _Expiry:
+    """One instant, its timer, and the calls that expire at it: ``with``
+    it, a block of a call's task is given up at the instant (see
+    ``within``); a task is counted once for each block it is in."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, at: float):
+        self.at = at
+        self.tasks: dict[asyncio.Task[Any], int] = {}
+        self.fired = False
+        self.timer = loop.call_at(at, self._fire)
+
+    def _fire(self) -> None:
+        self.fired = True
+        _expiries.pop(self.at, None)
+        for task in self.tasks:
+            task.cancel()
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks[task] = self.tasks.get(task, 0) + 1
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        task = asyncio.current_task()
+        left = self.tasks.pop(task) - 1
+        if left:
+            self.tasks[task] = left
+        elif not self.tasks and not self.fired:
+            self.timer.cancel()
+            if _expiries.get(self.at) is self:
+                del _expiries[self.at]
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and self.fired:
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancel was ours, not the caller's
+                task.uncancel()
+            raise Expired() from None
+
+
+def within(seconds: float) -> _Expiry:
+    """A block of the running task given up once ``seconds`` have passed
+    (up to ``DEADLINE_STEP_S`` later, never sooner): ``with within(s):``.
+
+    Why not ``asyncio.wait_for`` (a task more per call) nor
+    ``asyncio.timeout`` (a timer per call): this cancels the caller's own
+    task, from the one timer of every call that expires in the same step,
+    and makes no object per call.
 
     Raises:
-        Expired: the seconds passed (the awaitable was cancelled).
+        Expired: on leaving the block, the seconds passed (it was cancelled).
     """
-    task = asyncio.current_task()
-    assert task is not None
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        task.cancel()
-
-    timer = asyncio.get_running_loop().call_later(seconds, expire)
-    try:
-        return await awaitable
-    except asyncio.CancelledError:
-        if not expired:
-            raise
-        if hasattr(task, "uncancel"):  # Python 3.11+: this cancel was ours, not the caller's
-            task.uncancel()
-        raise Expired() from None
-    finally:
-        timer.cancel()
+    loop = asyncio.get_running_loop()
+    at = math.ceil((loop.time() + seconds) / DEADLINE_STEP_S) * DEADLINE_STEP_S
+    expiry = _expiries.get(at)
+    if expiry is None:
+        expiry = _expiries[at] = _Expiry(loop, at)
+    return expiry
 
 
 # -- a connection ----------------------------------------------------------------
@@ -216,53 +243,49 @@ class Connection(asyncio.Protocol):
     """One kept connection to a server, one exchange at a time."""
 
     def __init__(self) -> None:
-        self.h11 = h11.Connection(h11.CLIENT)
         self.transport: asyncio.Transport | None = None
         self.closed = False  # either side closed it, or it cannot be reused
-        self.peer_closed = False
         self.idle_since = time.monotonic()
-        self._arrived: asyncio.Future[None] | None = None  # woken by data or EOF
-        self._unread = 0  # bytes given to h11 that the exchange has not asked for yet
-        self._paused = False
+        self._answer: Answer | None = None  # the exchange's, while it reads
+        self._arrived: asyncio.Future[Answer] | None = None  # the answer whole, or failed
+        self._reusable = False  # the last exchange ended cleanly on a kept connection
 
     # The loop's calls.
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._arrived is None:  # nothing was asked: a server that talks out of turn
+        answer = self._answer
+        if answer is None:  # nothing was asked: a server that talks out of turn
             self.close()
             return
         try:
-            self.h11.receive_data(data)
-        except RuntimeError:  # after an error h11 takes nothing more; the exchange reports it
-            return
-        self._unread += len(data)
-        if self._unread > READ_BYTES and not self._paused:  # until the exchange took it
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
+            if answer.feed(data):
+                self._wake(None)
+        except (Malformed, TooBig) as e:
+            self._answer = None  # nothing more is read: what follows closes it
+            self._wake(e)
 
     def eof_received(self) -> bool:
-        self.peer_closed = True
-        self.h11.receive_data(b"")
-        self._wake()
-        self.closed = True
+        self._ended()
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self.peer_closed:
-            self.peer_closed = True
-            try:
-                self.h11.receive_data(b"")
-            except RuntimeError:  # h11 refuses data after an error: nothing is waited for
-                pass
-        self._wake()
+        self._ended()
 
-    def _wake(self) -> None:
-        if self._arrived is not None and not self._arrived.done():
-            self._arrived.set_result(None)
+    def _ended(self) -> None:
+        self.closed = True
+        answer = self._answer
+        if answer is not None and not answer.done:
+            self._wake(None if answer.end() else PeerClosed())
+
+    def _wake(self, error: BaseException | None) -> None:
+        arrived = self._arrived
+        if arrived is not None and not arrived.done():
+            if error is None:
+                arrived.set_result(self._answer)
+            else:
+                arrived.set_exception(error)
 
     def close(self) -> None:
         """Close it now (a call that did not end cleanly leaves it unusable)."""
@@ -271,67 +294,37 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     def recycle(self) -> bool:
-        """Make it ready for the next exchange, if both sides are done and the
-        server keeps the connection; whether it is."""
-        if self.closed or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
-            return False
-        self.h11.start_next_cycle()
-        return True
+        """Whether it can carry the next exchange: its last answer was
+        complete, the server keeps the connection, and sent nothing more."""
+        return self._reusable and not self.closed
 
     # The exchange.
-    async def exchange(self, request: h11.Request, body: bytes | None,
-                       max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
-        """Send ``request`` (and ``body``), read the answer.
-
-        Returns:
-            The status, the headers and the raw body (at most ``max_body`` bytes).
+    def send(self, head: bytes, body: bytes | None, max_body: int) -> asyncio.Future[Answer]:
+        """Send the request (``head``: its line and fields; ``body``); the
+        answer, once read (at most ``max_body`` bytes of body), then ``done``.
 
         Raises:
-            PeerClosed, Malformed, TooBig: see the module docstring.
+            PeerClosed, Malformed, TooBig: see the module docstring (the
+            last two, and the first once sent, from the future).
         """
+        if self.closed:
+            raise PeerClosed()
+        self._answer = Answer(max_body)
         self._arrived = asyncio.get_running_loop().create_future()
-        try:
-            head = self.h11.send(request)
-            data = self.h11.send(h11.Data(data=body)) if body else b""
-            end = self.h11.send(h11.EndOfMessage())
-            if len(data) > READ_BYTES:  # a large body goes as it is, not copied into one
-                for part in (head, data, end):
-                    self.transport.write(part)
-            else:
-                self.transport.write(head + data + end)  # one write: one syscall
-            response = await self._next(h11.Response)
-            raw = bytearray()
-            while not isinstance(event := await self._next((h11.Data, h11.EndOfMessage)),
-                                 h11.EndOfMessage):
-                raw += event.data
-                if len(raw) > max_body:
-                    raise TooBig(response.status_code)
-            return response.status_code, list(response.headers), raw  # not copied: up to max_body
-        except h11.ProtocolError as e:
-            raise (PeerClosed() if self.peer_closed else Malformed(str(e))) from None
-        finally:
-            self._arrived = None
-            self.idle_since = time.monotonic()
+        self._reusable = False
+        if body and len(body) > WRITE_COPIED:  # a large body goes as it is, not copied
+            self.transport.write(head)
+            self.transport.write(body)
+        else:
+            self.transport.write(head + body if body else head)  # one write: one syscall
+        return self._arrived
 
-    async def _next(self, kinds: Any) -> Any:
-        """The next event of one of ``kinds`` (an interim answer skipped)."""
-        while True:
-            event = self.h11.next_event()
-            if event is h11.NEED_DATA:
-                if self.peer_closed:
-                    raise PeerClosed()
-                self._arrived = asyncio.get_running_loop().create_future()
-                self._unread = 0
-                if self._paused:
-                    self._paused = False
-                    self.transport.resume_reading()
-                await self._arrived
-            elif isinstance(event, kinds):
-                return event
-            elif isinstance(event, h11.ConnectionClosed):
-                raise PeerClosed()
-            elif not isinstance(event, h11.InformationalResponse):
-                raise Malformed(f"unexpected {type(event).__name__}")
+    def done(self) -> None:
+        """The exchange ended, however: what follows from the server is out of turn."""
+        if self._answer is not None and self._answer.done:
+            self._reusable = self._answer.keep
+        self._answer = self._arrived = None
+        self.idle_since = time.monotonic()
 
 
 # -- one server's connections ------------------------------------------------------
@@ -348,28 +341,30 @@ class Pool:
         self.host, self.port, self.tls = host, port, tls
         self.idle: list[Connection] = []
         self.closed = False
-        self._pid = os.getpid()
+        self._forks = _forks
 
-    async def exchange(self, request: h11.Request, body: bytes | None, *, connect_timeout: float,
+    async def exchange(self, head: bytes, body: bytes | None, *, connect_timeout: float,
                        max_body: int) -> tuple[int, list[tuple[bytes, bytes]], bytearray]:
         """One exchange on a kept connection, or a new one.
 
         Raises:
             Expired: the connection was not made within ``connect_timeout``.
             OSError: it could not be made, or failed while sending.
-            PeerClosed, Malformed, TooBig: see ``Connection.exchange``.
+            PeerClosed, Malformed, TooBig: see ``Connection.send``.
         """
         conn = self._kept() or await self._dial(connect_timeout)
         status = 0
         try:
-            status, headers, raw = await conn.exchange(request, body, max_body)
+            answer = await conn.send(head, body, max_body)
+            status = answer.status
         finally:
+            conn.done()
             self._done(conn, status)
-        return status, headers, raw
+        return status, answer.headers, answer.body  # not copied: up to max_body
 
     def _kept(self) -> Connection | None:
-        if self._pid != os.getpid():  # a forked child: the parent's connections are not its own
-            self.idle, self._pid = [], os.getpid()
+        if self._forks != _forks:  # a forked child: the parent's connections are not its own
+            self.idle, self._forks = [], _forks
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed and time.monotonic() - conn.idle_since < KEEP_ALIVE_S:
@@ -379,9 +374,10 @@ class Pool:
 
     async def _dial(self, seconds: float) -> Connection:
         try:
-            _, conn = await within(seconds, asyncio.get_running_loop().create_connection(
-                Connection, self.host, self.port, ssl=self.tls,
-                server_hostname=self.host if self.tls else None))
+            with within(seconds):
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    Connection, self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls else None)
         except ssl.SSLCertVerificationError as e:
             raise Untrusted(f"the server's TLS certificate did not verify ({e.verify_message}): "
                             "give the client verify= the CA bundle that signed it (or set "

@@ -18,6 +18,7 @@ from typing import Any
 
 from nccl_cffi import Deadline
 from uniqueid import RendezvousError, VLLMClient
+from uniqueid.http.client import Encoded
 from uniqueid.http.fleet import Calls, on_each
 
 
@@ -98,8 +99,9 @@ class ControlPlane:
         receive inside the call, while the trainer broadcasts), each call
         within ``timeout_s``. ``Calls.times`` holds each call's own time,
         measured where it is made (as vLLM's torch engine is timed), so no
-        handoff between threads is counted in it."""
-        return on_each(self.clients, VLLMClient.update_weights, payload,
+        handoff between threads is counted in it. The payload is encoded
+        once for every server."""
+        return on_each(self.clients, VLLMClient.update_weights, Encoded(payload),
                        deadline=Deadline(timeout_s), timeout=timeout_s)
 
     def finish(self, weight_version: str | None) -> None:

@@ -403,9 +403,10 @@ def test_a_push_talks_http_on_the_http_loop_and_broadcasts_on_the_nccl_thread():
     for client in sender.session.clients:
         exchange = client._pool.exchange
 
-        async def watched(request, *a, exchange=exchange, **k):
-            seen.append((request.target.decode(), threading.current_thread().name))
-            return await exchange(request, *a, **k)
+        async def watched(head, *a, exchange=exchange, **k):
+            target = head.split(b" ")[1].decode()  # the request line: method, target, version
+            seen.append((target, threading.current_thread().name))
+            return await exchange(head, *a, **k)
 
         client._pool.exchange = watched
     put = caster._put

@@ -13,6 +13,7 @@ import pytest
 
 from jax_sender.testing.harness import ReferenceServer
 from uniqueid import InitInfo, UniqueId, UpdateInfo, VLLMClient, VLLMConnectionError, VLLMHTTPError
+from uniqueid.http.client import Encoded
 
 from support.servers.recorder import Recorder
 
@@ -72,6 +73,27 @@ def test_every_route_sends_vllms_exact_body(recorder):
     assert all(r[3]["authorization"] == "Bearer secret" for r in recorder.requests)
     assert all(r[3].get("content-type") == "application/json"
                for r in recorder.requests if r[2])
+
+
+def test_a_payload_encoded_once_is_sent_to_the_byte_as_the_payload_itself(recorder):
+    """An update's payload encoded once for a fleet (``Encoded``) makes the
+    body the payload makes, non-ASCII names and nested lists included."""
+    c = VLLMClient(recorder.url)
+    payload = UpdateInfo(["l\u00e9.0.w", "b"], ["bfloat16", "float32"], [[2, 3], []]).to_payload()
+    c.update_weights(payload)
+    c.update_weights(Encoded(payload))
+    c.weight_checker("compare", Encoded({"k": "d"}))
+    c.weight_checker("compare", {"k": "d"})
+    bodies = [r[2] for r in recorder.requests]
+    assert bodies[0] == bodies[1] and bodies[2] == bodies[3]
+    assert json.loads(bodies[1]) == {"update_info": payload}
+    c.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), {"x": float("inf")}, {1, 2}], ids=repr)
+def test_only_json_is_encoded(value):
+    with pytest.raises((ValueError, TypeError)):
+        Encoded(value)
 
 
 def test_newer_keys_only_when_asked():
