@@ -378,7 +378,7 @@ def _abort_plane(done: Future) -> None:
 def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: int,
                 timeout: float, trainer_ranks: int = 1,
                 share: Callable[[bytes | None, float | None], bytes] | None = None,
-                store_host: str | None = None, max_cta: int | None = None,
+                store_host: str | None = None, store_port: int = 0, max_cta: int | None = None,
                 joiner: M2NJoiner = M2N_JOIN, owns_client: bool = False) -> M2NConnection:
     """Form an M2N group with one vLLM server as trainer rank 0 (see the module docstring).
 
@@ -392,6 +392,8 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
             world reach the others (``share(data, seconds)``).
         store_host: the address the workers reach the metadata store at
             (default: this machine's address on the route to the server).
+        store_port: its port (default 0: one the system picks); a fixed
+            one for a firewall rule.
         max_cta: the most CTAs a reshard kernel uses.
         joiner: the data plane's side of the join (default: NCCL's).
         owns_client: the connection closes the client with itself.
@@ -408,8 +410,8 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
     """
     deadline = Deadline(timeout)
     info, group = _plan_group(server, params, device=device, deadline=deadline,
-                              trainer_ranks=trainer_ranks, share=share, store_host=store_host,
-                              max_cta=max_cta, joiner=joiner)
+                              trainer_ranks=trainer_ranks, share=share,
+                              store=(store_host, store_port), max_cta=max_cta, joiner=joiner)
     init = post_inits([server], [info], deadline)
     join = _Join(group=group, info=info, rank=0, device=device, joiner=joiner,
                  deadline=deadline, check=init.raise_first)
@@ -434,7 +436,7 @@ def _answered(init: Calls[None], deadline: Deadline, undo: Callable[[], Any]) ->
 def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: int,
                 deadline: Deadline, trainer_ranks: int,
                 share: Callable[[bytes | None, float | None], bytes] | None,
-                store_host: str | None, max_cta: int | None,
+                store: tuple[str | None, int], max_cta: int | None,
                 joiner: M2NJoiner) -> tuple[M2NInitInfo, MetadataGroup]:
     """Step 1 before any init is posted: the trainer's checks, the server's
     mesh, the id and the store; shared with the other trainer processes
@@ -443,8 +445,8 @@ def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
         joiner.preflight(device)
         replicas, per_replica = _server_mesh(server, deadline)
         uid = joiner.mint()
-        host = store_host or advertised_host(server.base_url)
-        group = MetadataGroup.host(host, trainer_ranks + replicas * per_replica)
+        host = store[0] or advertised_host(server.base_url)
+        group = MetadataGroup.host(host, trainer_ranks + replicas * per_replica, port=store[1])
     except BaseException:
         if share is not None:
             share(b"", deadline.left())

@@ -162,7 +162,7 @@ class M2NSender:
     def connect(cls, servers: Servers, params: Any, *, device: int | None = None,
                 mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
                 share: Share = share_from_process_0, store_host: str | None = None,
-                max_cta: int | None = None) -> M2NSender:
+                store_port: int = 0, max_cta: int | None = None) -> M2NSender:
         """Form the M2N group with one vLLM server; every trainer process calls
         it together, with the same ``params`` (global arrays) and arguments.
 
@@ -179,6 +179,8 @@ class M2NSender:
             share: how process 0's id and store reach the other processes.
             store_host: the address vLLM's workers reach the metadata store
                 at (default: this machine's on the route to the server).
+            store_port: its port (default 0: one the system picks); a
+                fixed one for a firewall rule.
             max_cta: the most CTAs a reshard kernel uses.
 
         Returns:
@@ -202,7 +204,8 @@ class M2NSender:
         tensors = plan_tensors(metas, sources, mapping, processes, process)
         route = M2NRoute(clients=clients, device=ordinal, config=config,
                          params=wire_params(tensors), process=process, processes=processes,
-                         share=share, store_host=store_host, max_cta=max_cta)
+                         share=share, store_host=store_host, store_port=store_port,
+                         max_cta=max_cta)
         sender = cls(open_m2n_session(route, config, jax_dev), tensors, mapping=mapping,
                      device=jax_dev)
         sender._descriptions = descriptions
