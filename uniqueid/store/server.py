@@ -80,8 +80,6 @@ __all__ = ["StoreLimits", "StoreServer"]
 CLOSE_TIMEOUT = 5.0
 _TICK = 0.1  # how often the server's thread looks for connections to reap
 _RECV_BYTES = 2**18
-# What a connection that has not joined a group may ask (with max_joins).
-_BEFORE_JOINING = frozenset({Query.PING, Query.ADD})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +158,7 @@ class StoreServer:
         self._listener.setblocking(False)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._table = Table(self.limits)
+        self._table = Table(max_bytes=self.limits.max_total_bytes, max_keys=self.limits.max_keys)
         if joined:
             self._table.add(JOIN_KEY, joined)
         self._conns: set[Peer] = set()
@@ -352,17 +350,16 @@ class StoreServer:
                 rank still on its way leaves at once; then stop. Returns at once.
         """
         with self._lock:
-            if turn_away_s > 0 and not (self._stopping or self._turn_away_until):
-                self._turn_away_until = time.monotonic() + turn_away_s
-                self._dismissed = list(self._conns)
-                self._changed.notify_all()
-                self._wake()
+            if turn_away_s > 0 and not self._stopping:
+                if not self._turn_away_until:
+                    self._turn_away_until = time.monotonic() + turn_away_s
+                    self._dismissed = list(self._conns)
+                    self._changed.notify_all()
+                    self._wake()
                 return
             self._stopping = True
             self._changed.notify_all()
         self._wake()
-        if self._thread is threading.current_thread():
-            return
         self._thread.join(CLOSE_TIMEOUT)
         if self._thread.is_alive():  # never seen: the thread only does non-blocking I/O
             self._listener.close()
@@ -544,13 +541,12 @@ class StoreServer:
                 raise WireError("a connection that does not open with torch's VALIDATE")
             conn.validated = True
             return
+        joining = request.query == Query.ADD and request.keys[0] == JOIN_KEY
         if self._turn_away_until and request.query != Query.PING:
-            self._refusals.turned_away += request.query == Query.ADD and request.keys[0] == JOIN_KEY
+            self._refusals.turned_away += joining and request.number > 0
             raise Refused("the group will not form")
-        if self.limits.max_joins is not None and not conn.member and (
-                request.query not in _BEFORE_JOINING
-                or request.query == Query.ADD and request.keys[0] != JOIN_KEY):
-            raise WireError("a request from a connection that did not join the group")
+        if self.limits.max_joins is not None:
+            self._check_member(conn, request, joining)
         handler = self._handlers.get(request.query)
         if handler is None:
             raise WireError(f"query {request.query.name} after the handshake")
@@ -558,6 +554,16 @@ class StoreServer:
         if reply is not None:
             conn.queue(reply, time.monotonic())
             self._dirty.add(conn)
+
+    @staticmethod
+    def _check_member(conn: Peer, request: Request, joining: bool) -> None:
+        """In a group: a connection that did not join may only ping and add
+        to ``init/`` (join, or ask how many did); no one may take from that
+        count, or set it."""
+        if not (conn.member or joining or request.query == Query.PING):
+            raise WireError("a request from a connection that did not join the group")
+        if JOIN_KEY in request.keys and not (joining and request.number >= 0):
+            raise WireError("a request that would change the count of ranks that joined")
 
     def _answer_values(self, conn: Peer, values: list[bytes]) -> None:
         """Owe ``conn`` stored values, sent from the values themselves."""

@@ -18,8 +18,6 @@ from __future__ import annotations
 import re
 from collections.abc import Hashable, Sequence
 
-from .wire import WireLimits
-
 __all__ = ["Refused", "Table"]
 
 _INT64 = re.compile(rb"-?[0-9]{1,19}")
@@ -34,12 +32,13 @@ class Table:
     for which key (``waitingSockets_`` and ``keysAwaited_`` in torch).
 
     Args:
-        limits: ``max_total_bytes`` and ``max_keys`` (a ``StoreLimits``).
+        max_bytes: the budget (``StoreLimits.max_total_bytes``).
+        max_keys: the most keys stored at once.
     """
 
-    def __init__(self, limits: WireLimits) -> None:
-        self.max_bytes: int = limits.max_total_bytes  # type: ignore[attr-defined]
-        self.max_keys: int = limits.max_keys  # type: ignore[attr-defined]
+    def __init__(self, *, max_bytes: int, max_keys: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_keys = max_keys
         self.data: dict[bytes, bytes] = {}
         self.used = 0
         self.full = 0  # how many times something was refused for want of room

@@ -304,7 +304,7 @@ def test_a_connection_that_never_joined_is_closed_when_quiet_or_waiting_too_long
 
 
 def test_in_a_group_only_ranks_that_joined_use_the_store_and_no_more_than_its_ranks_join():
-    server = StoreServer("127.0.0.1", limits=StoreLimits(max_joins=3, handshake_timeout=1.0))
+    server = StoreServer("127.0.0.1", limits=StoreLimits(max_joins=4, handshake_timeout=1.0))
     try:
         assert server.join() == 1
         stranger, late = raw(server), raw(server)
@@ -312,19 +312,26 @@ def test_in_a_group_only_ranks_that_joined_use_the_store_and_no_more_than_its_ra
         assert recv_exact(stranger, 4) == struct.pack("<I", 1)
         stranger.sendall(frame(Query.SET, keys=(b"/k",), values=(b"v",)))
         assert closed_by_peer(stranger) and not server.check(["k"])
+        for undo in (frame(Query.ADD, keys=(JOIN_KEY,), number=-5),  # from a stranger, then a rank
+                     JOIN + frame(Query.SET, keys=(JOIN_KEY,), values=(b"0",))):
+            cheat = raw(server)
+            cheat.sendall(undo)
+            assert closed_by_peer(cheat)
+            cheat.close()
+        assert server.joined() == 2  # the rank's join stands, nothing else it sent
         start = time.monotonic()
         assert closed_by_peer(late)  # validated, never joined
         assert time.monotonic() - start < 1.0 + MARGIN
         rank = raw(server)
         rank.sendall(JOIN + frame(Query.SET, keys=(b"/k",), values=(b"v",)) + frame(Query.PING, number=2))
         assert recv_exact(rank, 12)[8:] == struct.pack("<I", 2) and server.get("k", Deadline(1)) == b"v"
-        assert StoreClient("127.0.0.1", server.port, deadline=Deadline(10), world_size=3).joined() == 3
+        assert StoreClient("127.0.0.1", server.port, deadline=Deadline(10), world_size=4).joined() == 4
         past = raw(server)
         past.sendall(JOIN)
         assert closed_by_peer(past)
-        with pytest.raises(StoreError, match="a join past the group's 3 ranks"):
+        with pytest.raises(StoreError, match="a join past the group's 4 ranks"):
             server.join()
-        assert server.troubles() == ("the metadata store refused 2 joins past the group's 3 ranks: "
+        assert server.troubles() == ("the metadata store refused 2 joins past the group's 4 ranks: "
                                      "another process on this host joined it")
         for s in (stranger, late, rank, past):
             s.close()
