@@ -76,11 +76,12 @@ from .wire import M2NInitInfo
 
 log = logging.getLogger("uniqueid")
 
-# How long a vLLM M2N worker may still be on its way to the metadata store
-# after the init was posted: torch's TCPStore client retries until vLLM's
-# store_timeout (300 s), then once more after its backoff (60 s at most,
-# +50% jitter).
-WORKERS_LEAVE_S = 300.0 + 90.0
+# How long a vLLM M2N worker may still try to reach the metadata store after
+# the init was posted: torch's TCPStore client, given vLLM's store_timeout
+# (300 s), retries a store that refuses or closes it for up to two connect
+# phases of that timeout and one backoff between (60 s at most, +50%
+# jitter); 631 s measured against a port that refuses it.
+WORKERS_LEAVE_S = 2 * 300.0 + 90.0
 
 
 class M2NJoiner(Protocol):
@@ -403,8 +404,9 @@ def _give_up(join: _Join, job: Job, error: str) -> str:
     where = f"{join.info.master_address}:{join.info.master_port}"
     return (f"; {missing} of the group's {group.world_size} ranks never reached the metadata "
             f"store at {where} (check that the server's workers reach that address: store_host=, "
-            f"a firewall); a vLLM worker among them keeps trying for up to {WORKERS_LEAVE_S:.0f} s, "
-            f"and until then a connect to that server is told it is stuck{said}")
+            f"a firewall); a vLLM worker among them may keep trying for up to "
+            f"{WORKERS_LEAVE_S:.0f} s, and until then a connect to that server is told it is "
+            f"stuck{said}")
 
 
 def _abort_plane(done: Future) -> None:
@@ -508,9 +510,9 @@ def _check_engine(server: VLLMClient, deadline: Deadline) -> None:
         check_engines([server], deadline)
     except ServerStuck as e:
         raise ServerStuck(
-            f"{e} (or, for an nccl_m2n worker left connecting to an earlier trainer's metadata "
-            f"store, wait up to {WORKERS_LEAVE_S:.0f} s for torch's client to give up and connect "
-            "again)") from None
+            f"{e} (or, for an nccl_m2n worker still trying to reach an earlier trainer's metadata "
+            f"store, connect again once torch's client gave up, within {WORKERS_LEAVE_S:.0f} s of "
+            "that trainer's init)") from None
 
 
 def join_m2n(params: Sequence[M2NWireParam], *, rank: int, device: int, timeout: float,

@@ -12,6 +12,7 @@ import pytest
 from nccl_cffi.waiting import Deadline
 from uniqueid.store import StoreClient, StoreLimits, StoreServer
 
+from support import nothing_listens
 from support.vllm_children import Child, wait_until
 
 MARGIN = 5.0
@@ -156,19 +157,11 @@ def test_a_rank_still_connecting_when_the_group_is_given_up_is_turned_away_at_on
         answer = rank.next(STARTUP)
         assert "DistNetworkError" in answer["error"], answer
         assert time.monotonic() - given_up < TORCH_NEXT_ATTEMPT + MARGIN  # not its 120 s
-        wait_until(lambda: refused(server.port), 10, "the store still listens")
+        wait_until(lambda: nothing_listens("127.0.0.1", server.port), 10, "the store still listens")
     finally:
         rank.kill()
         squatter.kill()
         server.close()
-
-
-def refused(port):
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    except ConnectionRefusedError:
-        return True
-    return False
 
 
 STARTUP = 120.0  # a child imports torch on a loaded machine
