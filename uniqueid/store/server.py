@@ -543,7 +543,8 @@ class StoreServer:
             return
         joining = request.query == Query.ADD and request.keys[0] == JOIN_KEY
         if self._turn_away_until and request.query != Query.PING:
-            self._refusals.turned_away += joining and request.number > 0
+            if joining and request.number > 0:
+                self._refusals.turned_away += 1  # a rank that will not come again
             raise Refused("the group will not form")
         if self.limits.max_joins is not None:
             self._check_member(conn, request, joining)
