@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,3 +29,15 @@ def child(module: str, *args: str, env: dict[str, str]) -> tuple[list[str], dict
     (from the repository root, where ``.vllm/`` is looked for), with
     ``on_tests_path(env)``."""
     return [sys.executable, "-m", f"support.{module}", *args], on_tests_path(env)
+
+
+def nothing_listens(host: str, port: int) -> bool:
+    """Whether a connection to ``host:port`` is refused (a listener that is
+    closing may still reset one: not yet)."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        pass
+    return False

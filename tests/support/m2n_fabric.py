@@ -333,11 +333,12 @@ class FabricResharder:
 
 def m2n_sender_on(url: str, fabric: Fabric, params: Any, *, config: Any = None,
                   mapping: Any = None, process: int = 0, processes: int = 1,
-                  share: Any = None) -> Any:
+                  share: Any = None, store_port: int = 0, joiner: Any = None) -> Any:
     """An ``M2NSender`` on JAX's first CPU device, joined to the server at
     ``url`` through the real metadata store and agreements, its data plane
-    the fabric (``FabricJoin``, ``FabricResharder``: ``sender.resharders``
-    lists those made, one per group)."""
+    the fabric (``joiner``, by default a ``FabricJoin``; ``FabricResharder``:
+    ``sender.resharders`` lists those made, one per group); the store on
+    ``store_port`` (0: any)."""
     import jax
 
     from jax_sender import Mapping, SendConfig
@@ -352,7 +353,8 @@ def m2n_sender_on(url: str, fabric: Fabric, params: Any, *, config: Any = None,
     clients = [VLLMClient(url, timeout=30)] if process == 0 else []
     route = M2NRoute(clients=clients, device=0, config=config, params=wire_params(tensors),
                      process=process, processes=processes, share=share,
-                     store_host="127.0.0.1", joiner=FabricJoin(fabric))
+                     store_host="127.0.0.1", store_port=store_port,
+                     joiner=joiner or FabricJoin(fabric))
     made: list[FabricResharder] = []
 
     def resharder(conn: Any) -> FabricResharder:

@@ -34,11 +34,13 @@ def interpreter() -> str:
 
 class Child:
     """A child process whose stdout is read as JSON lines by a thread, so
-    every read has a deadline."""
+    every read has a deadline. It runs ``support/children/SCRIPT`` in
+    ``python`` (default: the interpreter of ``JAX_SENDER_VLLM_PYTHON``)."""
 
-    def __init__(self, script: str, *args: object, stdin: bool = False) -> None:
+    def __init__(self, script: str, *args: object, stdin: bool = False,
+                 python: str | None = None) -> None:
         self.proc = subprocess.Popen(
-            [interpreter(), str(HERE / script), *map(str, args)],
+            [python or interpreter(), str(HERE / script), *map(str, args)],
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[dict | None] = queue.Queue()

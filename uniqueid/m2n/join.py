@@ -23,8 +23,14 @@ letter:
    answer.
 
 Whatever fails on the trainer's side before the communicator exists
-reaches the workers through the store (or its closing), so they end their
-init with an error instead of waiting: the server stays usable.
+reaches the workers through the store, so they end their init with an
+error instead of waiting: the server stays usable. A group given up
+closes every connection of its store at once (a worker inside a store call
+fails it) and keeps answering for ``WORKERS_LEAVE_S`` a worker still on its
+way with an end that makes torch's client give up there, where a closed
+port makes it retry for minutes (``StoreServer.close``). A server whose
+engine does not answer (its workers still inside an earlier init or push)
+is named before anything is posted (``ServerStuck``).
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ from nccl_cffi import m2n as m2nlib
 from nccl_cffi.waiting import no_check
 
 from ..codec import UNIQUE_ID_BYTES, UniqueId
-from ..errors import RendezvousError, RendezvousTimeout
+from ..errors import RendezvousError, RendezvousTimeout, ServerStuck, StoreError
 from ..http.client import VLLMClient
 from ..http.fleet import Calls
-from ..rendezvous import await_inits, close_connection, post_inits, world_sizes
+from ..rendezvous import await_inits, check_engines, close_connection, post_inits, world_sizes
 from .agreement import (
     M2NMesh,
     M2NWireParam,
@@ -70,6 +76,12 @@ from .wire import M2NInitInfo
 
 log = logging.getLogger("uniqueid")
 
+# How long a vLLM M2N worker may still try to reach the metadata store after
+# the init was posted: torch's TCPStore client, given vLLM's store_timeout
+# (300 s), retries a store that refuses or closes it for up to two connect
+# phases of that timeout and one backoff between (60 s at most, +50%
+# jitter); 631 s measured against a port that refuses it.
+WORKERS_LEAVE_S = 2 * 300.0 + 90.0
 
 
 class M2NJoiner(Protocol):
@@ -356,18 +368,45 @@ def _from_shared(blob: bytes, params: Sequence[M2NWireParam]) -> M2NInitInfo:
 
 def _run_join(join: _Join, deadline: Deadline) -> tuple[Any, list[Placements | None]]:
     """``join.run()`` on a kept thread, given up when ``join.check`` raises
-    (the server refused): the group's store is closed, which ends the
-    workers' and this rank's waits on it at once."""
+    (the server refused): the group is given up (``_give_up``), which ends
+    the workers' and this rank's waits on the store at once."""
     job = Job(lambda stopped: join.run(), name="m2n-join")
     try:
         if not job.wait(None if deadline.at is None else deadline.at + 1.0, join.check):
-            raise RendezvousTimeout("the M2N group did not form within the deadline")
+            raise RendezvousTimeout("the deadline passed")
         return job.future.result()
+    except RendezvousError as e:
+        said = f"the M2N group did not form: {e}{_give_up(join, job, str(e))}"
+        raise (RendezvousTimeout if isinstance(e, RendezvousTimeout) else RendezvousError)(said) from e
     except BaseException:
-        join.group.close()
-        job.stop(5.0)
-        job.then(_abort_plane)
+        _give_up(join, job, "")
         raise
+
+
+def _give_up(join: _Join, job: Job, error: str) -> str:
+    """Give the group up: its store turns away the ranks still on their way
+    (``WORKERS_LEAVE_S``), the join's thread is stopped, a data plane it
+    made meanwhile aborted. Returns what the host's store says of it and
+    ``error`` does not: the ranks that never reached it, what it refused."""
+    group, missing = join.group, 0
+    if join.rank == 0:  # the host: it knows who joined
+        try:
+            missing = group.world_size - group.store.joined(Deadline(1.0))
+        except StoreError:
+            pass
+    troubles = group.store.troubles()
+    group.close(WORKERS_LEAVE_S)
+    job.stop(5.0)
+    job.then(_abort_plane)
+    said = f"; {troubles}" if troubles and troubles not in error else ""
+    if missing <= 0:
+        return said
+    where = f"{join.info.master_address}:{join.info.master_port}"
+    return (f"; {missing} of the group's {group.world_size} ranks never reached the metadata "
+            f"store at {where} (check that the server's workers reach that address: store_host=, "
+            f"a firewall); a vLLM worker among them may keep trying for up to "
+            f"{WORKERS_LEAVE_S:.0f} s, and until then a connect to that server is told it is "
+            f"stuck{said}")
 
 
 def _abort_plane(done: Future) -> None:
@@ -378,7 +417,7 @@ def _abort_plane(done: Future) -> None:
 def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: int,
                 timeout: float, trainer_ranks: int = 1,
                 share: Callable[[bytes | None, float | None], bytes] | None = None,
-                store_host: str | None = None, max_cta: int | None = None,
+                store_host: str | None = None, store_port: int = 0, max_cta: int | None = None,
                 joiner: M2NJoiner = M2N_JOIN, owns_client: bool = False) -> M2NConnection:
     """Form an M2N group with one vLLM server as trainer rank 0 (see the module docstring).
 
@@ -392,6 +431,8 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
             world reach the others (``share(data, seconds)``).
         store_host: the address the workers reach the metadata store at
             (default: this machine's address on the route to the server).
+        store_port: its port (default 0: one the system picks); a fixed
+            one for a firewall rule.
         max_cta: the most CTAs a reshard kernel uses.
         joiner: the data plane's side of the join (default: NCCL's).
         owns_client: the connection closes the client with itself.
@@ -408,15 +449,12 @@ def connect_m2n(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
     """
     deadline = Deadline(timeout)
     info, group = _plan_group(server, params, device=device, deadline=deadline,
-                              trainer_ranks=trainer_ranks, share=share, store_host=store_host,
-                              max_cta=max_cta, joiner=joiner)
+                              trainer_ranks=trainer_ranks, share=share,
+                              store=(store_host, store_port), max_cta=max_cta, joiner=joiner)
     init = post_inits([server], [info], deadline)
     join = _Join(group=group, info=info, rank=0, device=device, joiner=joiner,
                  deadline=deadline, check=init.raise_first)
-    try:
-        plane, destinations = _run_join(join, deadline)
-    except RendezvousError as e:
-        raise RendezvousError(f"the M2N group did not form: {e}") from e
+    plane, destinations = _run_join(join, deadline)
     _answered(init, deadline, lambda: (plane.abort("server init failed"), group.close()))
     return M2NConnection(comm=plane, clients=[server], init_info=info,
                          destinations=destinations, group=group, owns_clients=owns_client)
@@ -434,7 +472,7 @@ def _answered(init: Calls[None], deadline: Deadline, undo: Callable[[], Any]) ->
 def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: int,
                 deadline: Deadline, trainer_ranks: int,
                 share: Callable[[bytes | None, float | None], bytes] | None,
-                store_host: str | None, max_cta: int | None,
+                store: tuple[str | None, int], max_cta: int | None,
                 joiner: M2NJoiner) -> tuple[M2NInitInfo, MetadataGroup]:
     """Step 1 before any init is posted: the trainer's checks, the server's
     mesh, the id and the store; shared with the other trainer processes
@@ -442,9 +480,10 @@ def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
     try:
         joiner.preflight(device)
         replicas, per_replica = _server_mesh(server, deadline)
+        _check_engine(server, deadline)
         uid = joiner.mint()
-        host = store_host or advertised_host(server.base_url)
-        group = MetadataGroup.host(host, trainer_ranks + replicas * per_replica)
+        host = store[0] or advertised_host(server.base_url)
+        group = MetadataGroup.host(host, trainer_ranks + replicas * per_replica, port=store[1])
     except BaseException:
         if share is not None:
             share(b"", deadline.left())
@@ -455,8 +494,25 @@ def _plan_group(server: VLLMClient, params: Sequence[M2NWireParam], *, device: i
                        dst_mesh_dims=(replicas, per_replica), params=list(params),
                        max_cta=max_cta)
     if share is not None:
-        share(_shared(info), deadline.left())
+        try:
+            share(_shared(info), deadline.left())
+        except BaseException:
+            group.close()
+            raise
     return info, group
+
+
+def _check_engine(server: VLLMClient, deadline: Deadline) -> None:
+    """The server's engine answers (``check_engines``): one whose workers
+    are still inside an earlier init or push would take the init and never
+    join, so it is named before anything is posted."""
+    try:
+        check_engines([server], deadline)
+    except ServerStuck as e:
+        raise ServerStuck(
+            f"{e} (or, for an nccl_m2n worker still trying to reach an earlier trainer's metadata "
+            f"store, connect again once torch's client gave up, within {WORKERS_LEAVE_S:.0f} s of "
+            "that trainer's init)") from None
 
 
 def join_m2n(params: Sequence[M2NWireParam], *, rank: int, device: int, timeout: float,

@@ -41,6 +41,9 @@ from ..store import KeyValueStore, StoreClient, StoreLimits, StoreServer
 __all__ = ["GroupError", "GroupTimeout", "MetadataGroup", "plain_loads"]
 
 DATA_EXPIRATION_SECONDS = 3600  # vLLM's default
+# Connections the host's store takes beyond its ranks' own: room for ranks
+# in their handshake beside strangers, each of whom makes room for the next.
+SPARE_CONNECTIONS = 16
 _PLAIN = (dict, list, tuple, str, bytes, int, float, bool, type(None))
 _MAX_NODES = 1_000_000  # what one record may hold, counted while checking it
 _PROBE_SECONDS = 2.0  # how long naming the other missing ranks may take
@@ -152,7 +155,9 @@ class MetadataGroup:
             host: the address to listen on (one the other ranks reach).
             world_size: every rank of the group.
             port: the port; 0 picks a free one.
-            limits: the store's limits.
+            limits: the store's limits; by default the group's: its ranks
+                join (``max_joins``), and it takes ``SPARE_CONNECTIONS``
+                more connections than they hold.
             describe: names a rank in errors.
 
         Returns:
@@ -162,10 +167,12 @@ class MetadataGroup:
             StoreError: the address cannot be bound.
             ValueError: ``world_size`` is below 1.
         """
-        server = StoreServer(host, port, limits=limits)
+        if limits is None:
+            limits = StoreLimits(max_joins=world_size,
+                                 max_connections=max(world_size - 1, 0) + SPARE_CONNECTIONS)
+        server = StoreServer(host, port, limits=limits, joined=1)
         try:
             group = cls(server, 0, world_size, describe=describe)
-            server.join()
         except BaseException:
             server.close()
             raise
@@ -291,9 +298,16 @@ class MetadataGroup:
                 raise e from None
         return gathered
 
-    def close(self) -> None:
-        """Close the store (the host's stops serving the other ranks)."""
-        self.store.close()
+    def close(self, turn_away_s: float = 0.0) -> None:
+        """Close the store: the host's stops serving the other ranks.
+
+        Args:
+            turn_away_s: the group will not form: the host's store closes
+                every rank's connection now, and for this long answers a
+                rank still on its way with an end that makes it leave (see
+                ``StoreServer.close``); ignored on other ranks.
+        """
+        self.store.close(turn_away_s)
 
     def _broadcast(self, obj: Any, deadline: Deadline | None) -> None:
         self._publish(f"broadcast_from/{self.rank}/{self.broadcast_send_counter}", obj, deadline)
@@ -355,6 +369,8 @@ class MetadataGroup:
                      "joined the store"
         except StoreError:
             joined = ""
+        troubles = self.store.troubles()
+        joined += f"; {troubles}" if troubles else ""
         within = "" if total is None else f" within {total:.3g} s"
         whose = "its" if len(ranks) == 1 else "their"
         return GroupTimeout(

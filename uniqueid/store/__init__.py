@@ -44,5 +44,10 @@ class KeyValueStore(Protocol):
     def joined(self, deadline: Deadline | None = None) -> int:
         """How many ranks joined the store (torch's ``init/`` count)."""
 
-    def close(self) -> None:
-        """Close (the server: stop serving; the client: disconnect)."""
+    def troubles(self) -> str:
+        """What the store refused that may explain a group that did not
+        form, in one clause ("" if nothing, or on a client)."""
+
+    def close(self, turn_away_s: float = 0.0) -> None:
+        """Close (the server: stop serving, turning the ranks still on
+        their way away for ``turn_away_s``; the client: disconnect)."""

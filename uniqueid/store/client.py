@@ -208,8 +208,20 @@ class StoreClient:
         """
         return self._add(JOIN_KEY, 0, deadline)
 
-    def close(self) -> None:
-        """Close the connection. Idempotent; later calls raise ``StoreError``."""
+    def troubles(self) -> str:
+        """What the store refused (only its host knows).
+
+        Returns:
+            "".
+        """
+        return ""
+
+    def close(self, turn_away_s: float = 0.0) -> None:
+        """Close the connection. Idempotent; later calls raise ``StoreError``.
+
+        Args:
+            turn_away_s: unused (only the host turns late ranks away).
+        """
         self._broken = self._broken or "it was closed"
         self._sock.close()
 

@@ -27,6 +27,7 @@ class M2NRoute:
     processes: int
     share: Share
     store_host: str | None = None
+    store_port: int = 0
     max_cta: int | None = None
     joiner: M2NJoiner = M2N_JOIN  # the data plane's side of the join (tests pass their own)
     group: None = None
@@ -46,7 +47,7 @@ class M2NRoute:
         if self.process == 0:
             return connect_m2n(self.clients[0], self.params, device=self.device,
                                timeout=timeout_s, trainer_ranks=self.processes, share=share,
-                               store_host=self.store_host, max_cta=self.max_cta,
-                               joiner=self.joiner)
+                               store_host=self.store_host, store_port=self.store_port,
+                               max_cta=self.max_cta, joiner=self.joiner)
         return join_m2n(self.params, rank=self.process, device=self.device, timeout=timeout_s,
                         share=self.share, joiner=self.joiner)

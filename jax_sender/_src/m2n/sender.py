@@ -162,7 +162,7 @@ class M2NSender:
     def connect(cls, servers: Servers, params: Any, *, device: int | None = None,
                 mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
                 share: Share = share_from_process_0, store_host: str | None = None,
-                max_cta: int | None = None) -> M2NSender:
+                store_port: int = 0, max_cta: int | None = None) -> M2NSender:
         """Form the M2N group with one vLLM server; every trainer process calls
         it together, with the same ``params`` (global arrays) and arguments.
 
@@ -177,8 +177,9 @@ class M2NSender:
                 ``reconnect_timeout_s``; ``buffer_size_bytes`` x
                 ``num_buffers`` bounds the blocks in flight).
             share: how process 0's id and store reach the other processes.
-            store_host: the address vLLM's workers reach the metadata store
-                at (default: this machine's on the route to the server).
+            store_host, store_port: where vLLM's workers reach the metadata
+                store (default: this machine's address on the route to the
+                server; a port the system picks, or a fixed one for a firewall).
             max_cta: the most CTAs a reshard kernel uses.
 
         Returns:
@@ -192,6 +193,7 @@ class M2NSender:
             MetadataError: a tensor NCCL M2N cannot move or a layout it
                 cannot express (nothing reached a server).
             RendezvousError: the server refused, or the group did not form.
+            ServerStuck: the server's engine does not answer (nothing posted).
             NcclError: NCCL refused this process's init.
         """
         ordinal, jax_dev = usable_device(device)
@@ -200,9 +202,9 @@ class M2NSender:
         descriptions = Descriptions(mapping, jax_dev, None)
         metas, sources = descriptions.of(params)
         tensors = plan_tensors(metas, sources, mapping, processes, process)
-        route = M2NRoute(clients=clients, device=ordinal, config=config,
-                         params=wire_params(tensors), process=process, processes=processes,
-                         share=share, store_host=store_host, max_cta=max_cta)
+        route = M2NRoute(clients=clients, device=ordinal, config=config, params=wire_params(tensors),
+                         process=process, processes=processes, share=share,
+                         store_host=store_host, store_port=store_port, max_cta=max_cta)
         sender = cls(open_m2n_session(route, config, jax_dev), tensors, mapping=mapping,
                      device=jax_dev)
         sender._descriptions = descriptions

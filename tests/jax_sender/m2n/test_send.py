@@ -22,10 +22,17 @@ import numpy as np
 import pytest
 
 from jax_sender import Mapping, SendConfig, SendError, UpdateIncomplete
+from jax_sender.testing.harness import free_port
 from jax_sender.testing.vllm_m2n import EXPECTED_DESTINATIONS, TOY
+from nccl_cffi import NcclError
+from uniqueid import RendezvousError, ServerStuck
+from uniqueid.rendezvous import ENGINE_ANSWER_S
 
-from support.m2n_fabric import Fabric, m2n_sender_on
-from support.vllm_children import vllm_host
+from support.m2n_fabric import WAIT_S, Fabric, FabricJoin, m2n_sender_on
+from support.vllm_children import Child, vllm_host, wait_until
+
+STARTUP = 120.0  # a child process starts on a loaded machine
+MARGIN = 10.0  # a loaded 2-core machine's scheduling, on top of a deadline
 
 
 def _params(seed: int) -> dict:
@@ -128,48 +135,160 @@ def test_a_push_the_workers_fail_leaves_the_same_server_ready_for_a_new_sender(s
     assert ("/update_weights", 500) in _routes(log)
 
 
+def _two_ranks(url, fabric, params, *, before_posting=None, **kw):
+    """Two trainer ranks (threads of this process) connecting at once: rank 0
+    shares its id and store with rank 1 (``before_posting()`` runs then, with
+    the store listening and nothing posted yet). Each rank's sender, or what
+    its connect raised."""
+    blobs = queue.Queue()
+
+    def share(data, timeout):
+        if data is not None:
+            if data and before_posting is not None:
+                before_posting()
+            blobs.put(data)
+            return data
+        return blobs.get(timeout=timeout)
+
+    return _on_both(lambda p: m2n_sender_on(url, fabric, params, process=p, processes=2,
+                                            share=share, **kw))
+
+
+def _on_both(fn):
+    """``fn(rank)`` for ranks 0 and 1 at once: each one's result or exception."""
+    out = {}
+
+    def run(p):
+        try:
+            out[p] = fn(p)
+        except BaseException as e:  # reported by the caller
+            out[p] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert set(out) == {0, 1}, "a trainer rank did not end"
+    return out
+
+
+def _push_on_both(made, params):
+    """A push by both ranks at once, each ending well, exact on every worker."""
+    results = _on_both(lambda p: made[p].send(params))
+    # both ended the same way: process 0 told process 1 the server finished
+    assert all(not isinstance(r, BaseException) for r in results.values()), results
+    assert made[0].verify(params).ok
+
+
 def test_two_trainer_ranks_each_send_their_block(server):
     """Two trainer ranks (in one process here) join as ranks 0 and 1: rank 1
     through rank 0's store and the shared id; both reshard every tensor."""
     url, fabric, _ = server
     params = {n: np.asarray(a) for n, a in _params(7).items()}  # host data: both hold all
-    blobs = queue.Queue()
-
-    def share(data, timeout):
-        if data is not None:
-            blobs.put(data)
-            return data
-        return blobs.get(timeout=timeout)
-
-    made = {}
-
-    def rank(p):
-        made[p] = m2n_sender_on(url, fabric, params, process=p, processes=2, share=share)
-
-    threads = [threading.Thread(target=rank, args=(p,)) for p in (0, 1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert set(made) == {0, 1}, "a trainer rank did not join"
+    made = _two_ranks(url, fabric, params)
     assert made[1].session.connection.destinations == made[0].session.connection.destinations
-    results = {}
-
-    def push(p):
-        try:
-            results[p] = made[p].send(params)
-        except BaseException as e:  # reported below
-            results[p] = e
-
-    pushes = [threading.Thread(target=push, args=(p,)) for p in (0, 1)]
-    for th in pushes:
-        th.start()
-    for th in pushes:
-        th.join(120)
-    # both ended the same way: process 0 told process 1 the server finished
-    assert all(not isinstance(r, BaseException) for r in results.values()), results
-    assert made[0].verify(params).ok
+    _push_on_both(made, params)
     sources = {d["rank"] for d in fabric.reshards[-2 * len(TOY):]}
     assert sources == {0, 1}
     for p in (1, 0):
         made[p].close()
+
+
+def _squat(port, count, *join):
+    """Another local process that opens ``count`` connections to the store
+    on ``port`` as soon as it listens (trying from before), and holds them."""
+    squatter = Child("store_squatter.py", "127.0.0.1", port, count, *join, stdin=True)
+    assert squatter.next(STARTUP)["trying"]
+    return squatter
+
+
+def _squatted(squatter, count):
+    """For ``before_posting``: the init is posted once the squatter made its
+    ``count`` connections (the store held them all, before the fix)."""
+    return lambda: wait_until(lambda: squatter.call("status")["opened"] == count, 60,
+                              "the squatter did not connect")
+
+
+def _fresh_push(url, fabric, seed):
+    """A new sender with the same server: an exact push."""
+    params = _params(seed)
+    with m2n_sender_on(url, fabric, params) as sender:
+        sender.send(params)
+        assert sender.verify(params).ok
+
+
+def test_another_process_holding_the_stores_connections_does_not_keep_the_ranks_out(server):
+    """Another local process opens 512 connections to the metadata store as
+    soon as it listens, validates each and holds them quiet, all before the
+    init is posted: none joined, so the ranks (trainer rank 1, vLLM's
+    workers) take their places, the group forms and pushes exactly."""
+    url, fabric, _ = server
+    port = free_port()
+    squatter = _squat(port, 512)
+    try:
+        params = {n: np.asarray(a) for n, a in _params(8).items()}
+        made = _two_ranks(url, fabric, params, store_port=port,
+                          before_posting=_squatted(squatter, 512),
+                          config=SendConfig(init_timeout_s=30))
+        assert not any(isinstance(m, BaseException) for m in made.values()), made
+        _push_on_both(made, params)
+        for p in (1, 0):
+            made[p].close()
+        assert squatter.call("status")["closed"] >= 3  # each rank took one's place
+    finally:
+        squatter.kill()
+    _fresh_push(url, fabric, 9)
+
+
+def test_another_process_joining_the_store_fails_the_connect_at_once_named(server):
+    """Another local process joins the store as torch's client does (from
+    512 connections) before the ranks arrive: joins past the group's ranks
+    are refused, so the workers' TCPStore clients fail at once and vLLM
+    answers the init; the connect fails within seconds, naming the cause,
+    and the same server takes a fresh connect and an exact push."""
+    url, fabric, _ = server
+    port = free_port()
+    squatter = _squat(port, 512, "--join")
+    try:
+        params = {n: np.asarray(a) for n, a in _params(10).items()}
+        start = time.monotonic()
+        made = _two_ranks(url, fabric, params, store_port=port,
+                          before_posting=_squatted(squatter, 512),
+                          config=SendConfig(init_timeout_s=60))
+        assert time.monotonic() - start < 30  # the deadline was 60 s
+        assert isinstance(made[0], RendezvousError), made
+        assert "past the group's 4 ranks: another process on this host joined it" in str(made[0])
+        assert isinstance(made[1], RendezvousError), made
+    finally:
+        squatter.kill()
+    _fresh_push(url, fabric, 11)
+
+
+class _NcclInitFails(FabricJoin):
+    """A trainer whose own NCCL init fails (the workers are in theirs)."""
+
+    def join(self, *args, **kwargs):
+        raise NcclError("ncclCommInitRank failed: unhandled system error")
+
+
+def test_a_connect_to_a_server_still_held_is_told_so_at_once_and_posts_nothing(server):
+    """A trainer's NCCL init fails after vLLM's workers entered theirs, which
+    holds them (vLLM sets NCCL no deadline; here the fabric's 20 s). A
+    connect meanwhile is told the server is stuck within seconds and posts
+    no init; once the workers left, the same server takes a fresh connect
+    and an exact push."""
+    url, fabric, log = server
+    params = _params(12)
+    posted = [p for p, _ in _routes(log)].count("/init_weight_transfer_engine")
+    inits = _routes(log).count(("/init_weight_transfer_engine", 500))
+    with pytest.raises(NcclError, match="ncclCommInitRank failed"):
+        m2n_sender_on(url, fabric, params, joiner=_NcclInitFails(fabric))
+    start = time.monotonic()
+    with pytest.raises(ServerStuck, match="its engine does not answer"):
+        m2n_sender_on(url, fabric, params)
+    assert time.monotonic() - start < ENGINE_ANSWER_S + MARGIN
+    wait_until(lambda: _routes(log).count(("/init_weight_transfer_engine", 500)) == inits + 1,
+               WAIT_S + MARGIN, "the workers did not leave their NCCL init")
+    assert [p for p, _ in _routes(log)].count("/init_weight_transfer_engine") == posted + 1
+    _fresh_push(url, fabric, 13)

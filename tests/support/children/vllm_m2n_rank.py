@@ -7,7 +7,7 @@ once, then serves jobs: each line of stdin is one worker's job,
 A job joins the group with vLLM's ``StatelessProcessGroup.create`` (torch's
 ``TCPStore`` client, as ``worker_init_metadata_group`` does) and runs the
 agreements of ``M2NWeightTransferEngine.init_transfer_engine`` in its order
-with the spec's inputs, printing one JSON line per step,
+with the spec's inputs, printing one JSON line per step (``joined`` first),
 ``{"step": ..., "ok": result}`` or ``{"step": ..., "error": "Type: text"}``
 (the job stops at an error), then ``{"step": "end"}``. Steps: ``source``,
 ``data``, ``runtime``, ``placements`` (the rows
@@ -74,8 +74,13 @@ def run(step, group, spec, state):
 
 
 def job(host, port, rank, world_size, spec):
-    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
-                                         store_timeout=spec.get("store_timeout", 300))
+    try:
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank,
+                                             world_size=world_size,
+                                             store_timeout=spec.get("store_timeout", 300))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        report("joined", error=f"{type(e).__name__}: {e}")
+        return
     report("joined")
     state = {}
     for step in spec["steps"]:

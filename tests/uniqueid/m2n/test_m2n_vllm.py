@@ -27,10 +27,12 @@ from uniqueid.m2n.agreement import (
     decode_destination_placements,
     source_plan_digest,
 )
+from uniqueid.m2n.join import WORKERS_LEAVE_S
 from uniqueid.m2n.metadata import GroupError, GroupTimeout, MetadataGroup
 from uniqueid.m2n.plan import validate_transfer_plan
 
-from support.vllm_children import Child, interpreter
+from support import nothing_listens
+from support.vllm_children import Child, interpreter, wait_until
 
 HOST = "127.0.0.1"
 STARTUP = 120.0  # a child imports torch and vLLM on a loaded machine
@@ -214,6 +216,35 @@ def test_a_worker_that_leaves_mid_way_is_named_within_our_deadline(cluster):
                                            "agreement within 3 s"):
         check_data_plane_agreement(ours[0], UID, Deadline(3.0))
     assert time.monotonic() - start < 3.0 + MARGIN
+
+
+def test_a_worker_that_arrives_after_the_group_was_given_up_leaves_at_once(pool):
+    """The trainer gives the group up before the workers reach its store (a
+    worker slow to take the init, a deadline too short). Refused by a
+    closed port, torch's client would retry for over ten minutes (vLLM's
+    300 s timeout, twice, and a backoff), holding its server; the given-up
+    store (as the M2N join leaves it) answers the handshake and closes at
+    the join, so vLLM's own ``StatelessProcessGroup.create`` fails there,
+    at once; once every rank is accounted for, the store stops listening."""
+    host = MetadataGroup.host(HOST, 3)
+    wire = [M2NWireParam.from_dict(p) for p in plan(1)[0]]
+    with pytest.raises(GroupTimeout, match="1 of 3 ranks joined the store"):
+        check_source_plan_agreement(host, wire, Deadline(1.0))
+    port = host.store.port
+    host.close(turn_away_s=WORKERS_LEAVE_S)
+    workers = [pool.take() for _ in range(2)]  # warm: torch and vLLM imported
+    start = time.monotonic()
+    jobs = [Worker(child, {"host": HOST, "port": port, "rank": 1 + i, "world_size": 3,
+                           "spec": worker_spec(1)}) for i, child in enumerate(workers)]
+    try:
+        for job in jobs:
+            assert job.finished()["joined"]["error"].startswith("DistNetworkError"), job.reports
+        assert time.monotonic() - start < 30.0  # a closed port: 631 s, measured
+        wait_until(lambda: nothing_listens(HOST, port), 10, "the store still listens")
+    finally:
+        for job in jobs:
+            pool.give_back(job)
+        host.close()
 
 
 def test_a_worker_with_another_plan_fails_every_rank_with_vllms_sentence(cluster):

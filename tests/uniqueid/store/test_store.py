@@ -13,6 +13,7 @@ import pytest
 from nccl_cffi.waiting import Deadline
 from uniqueid.store import StoreClient, StoreError, StoreLimits, StoreServer, StoreTimeout
 from uniqueid.store.wire import (
+    JOIN_KEY,
     MAGIC,
     Query,
     Request,
@@ -262,6 +263,82 @@ def test_a_half_sent_request_or_a_silent_peer_is_closed_after_its_timeout(server
         s.close()
 
 
+def test_a_request_that_keeps_trickling_is_closed_once_its_deadline_passed(server):
+    """Progress does not keep a request open: it must arrive whole within
+    ``stall_timeout`` of its first byte."""
+    slow = raw(server)
+    slow.sendall(b"\x01" + struct.pack("<Q", 100) + b"/k")  # a SET that stops inside its key
+    start = time.monotonic()
+
+    def trickle():
+        for _ in range(40):
+            time.sleep(0.1)
+            try:
+                slow.send(b"k")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    assert closed_by_peer(slow)
+    assert time.monotonic() - start < 0.5 + MARGIN
+    slow.close()
+
+
+def test_a_connection_that_never_joined_is_closed_when_quiet_or_waiting_too_long():
+    server = StoreServer("127.0.0.1", limits=StoreLimits(idle_timeout=1.0))
+    try:
+        quiet, waiting, rank = raw(server), raw(server), raw(server)
+        waiting.sendall(frame(Query.WAIT, keys=(b"/never",)))
+        rank.sendall(JOIN)
+        assert len(recv_exact(rank, 8)) == 8
+        start = time.monotonic()
+        assert closed_by_peer(quiet) and closed_by_peer(waiting)
+        assert time.monotonic() - start < 1.0 + MARGIN
+        time.sleep(0.5)
+        rank.sendall(frame(Query.PING, number=5))  # a rank that joined idles as long as it likes
+        assert recv_exact(rank, 4) == struct.pack("<I", 5)
+        for s in (quiet, waiting, rank):
+            s.close()
+    finally:
+        server.close()
+
+
+def test_in_a_group_only_ranks_that_joined_use_the_store_and_no_more_than_its_ranks_join():
+    server = StoreServer("127.0.0.1", limits=StoreLimits(max_joins=4, handshake_timeout=1.0))
+    try:
+        assert server.join() == 1
+        stranger, late = raw(server), raw(server)
+        stranger.sendall(frame(Query.PING, number=1))  # its handshake, still
+        assert recv_exact(stranger, 4) == struct.pack("<I", 1)
+        stranger.sendall(frame(Query.SET, keys=(b"/k",), values=(b"v",)))
+        assert closed_by_peer(stranger) and not server.check(["k"])
+        for undo in (frame(Query.ADD, keys=(JOIN_KEY,), number=-5),  # from a stranger, then a rank
+                     JOIN + frame(Query.SET, keys=(JOIN_KEY,), values=(b"0",))):
+            cheat = raw(server)
+            cheat.sendall(undo)
+            assert closed_by_peer(cheat)
+            cheat.close()
+        assert server.joined() == 2  # the rank's join stands, nothing else it sent
+        start = time.monotonic()
+        assert closed_by_peer(late)  # validated, never joined
+        assert time.monotonic() - start < 1.0 + MARGIN
+        rank = raw(server)
+        rank.sendall(JOIN + frame(Query.SET, keys=(b"/k",), values=(b"v",)) + frame(Query.PING, number=2))
+        assert recv_exact(rank, 12)[8:] == struct.pack("<I", 2) and server.get("k", Deadline(1)) == b"v"
+        assert StoreClient("127.0.0.1", server.port, deadline=Deadline(10), world_size=4).joined() == 4
+        past = raw(server)
+        past.sendall(JOIN)
+        assert closed_by_peer(past)
+        with pytest.raises(StoreError, match="a join past the group's 4 ranks"):
+            server.join()
+        assert server.troubles() == ("the metadata store refused 2 joins past the group's 4 ranks: "
+                                     "another process on this host joined it")
+        for s in (stranger, late, rank, past):
+            s.close()
+    finally:
+        server.close()
+
+
 def test_a_peer_that_does_not_read_its_answers_is_closed(server):
     server.set("big", b"x" * 60000)
     reader = raw(server)
@@ -272,11 +349,37 @@ def test_a_peer_that_does_not_read_its_answers_is_closed(server):
     reader.close()
 
 
-def test_connections_past_the_limit_are_closed_at_once_and_the_slots_come_back(server):
-    held = [raw(server) for _ in range(8)]
+JOIN = frame(Query.ADD, keys=(JOIN_KEY,), number=1)
+
+
+def test_at_the_limit_a_newcomer_takes_the_place_of_the_quietest_connection_that_never_joined(server):
+    ranks = [raw(server) for _ in range(4)]
+    for s in ranks:
+        s.sendall(JOIN)
+        assert len(recv_exact(s, 8)) == 8
+    guests = []
+    for _ in range(4):
+        guests.append(raw(server))
+        time.sleep(0.05)  # each quiet a little less long than the one before
     wait_until(lambda: server.connections() == 8, 10, "the first 8 are not all open")
+    newcomers = [raw(server), raw(server)]
+    assert closed_by_peer(guests[0]) and closed_by_peer(guests[1])
+    assert serves(server)  # the probe took guests[2]'s place, and left
+    for s in ranks + newcomers:
+        s.sendall(frame(Query.PING, number=3))
+        assert recv_exact(s, 4) == struct.pack("<I", 3)
+    assert server.troubles() == ""
+
+
+def test_at_the_limit_of_ranks_that_joined_a_newcomer_is_closed_at_once_and_named(server):
+    held = [raw(server) for _ in range(8)]
+    for s in held:
+        s.sendall(JOIN)
+    wait_until(lambda: server.joined() == 8, 10, "the first 8 did not all join")
     extra = raw(server)
     assert closed_by_peer(extra, timeout=5)
+    assert server.troubles() == ("the metadata store turned 1 connections away at its limit of 8, "
+                                 "every one held by a rank that joined")
     for s in held:
         s.close()
     wait_until(lambda: server.connections() == 0, 10, "closed peers are not reaped")

@@ -12,6 +12,7 @@ import pytest
 from nccl_cffi.waiting import Deadline
 from uniqueid.store import StoreClient, StoreLimits, StoreServer
 
+from support import nothing_listens
 from support.vllm_children import Child, wait_until
 
 MARGIN = 5.0
@@ -97,22 +98,74 @@ def test_torchs_client_is_served_beside_hostile_peers(server, torch_client):
         s.close()
 
 
-def test_a_torch_client_refused_at_capacity_retries_and_gets_in_when_a_slot_frees(server):
-    held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(6)]
-    for s in held:
-        s.sendall(b"\x00\xce\xf7\x85\x3c")  # validated: kept until they leave
-    wait_until(lambda: server.connections() == 6, 10, "the slots did not fill")
+def squat(server, count, *join):
+    """Another process holding ``count`` connections to ``server`` (each
+    validated, then quiet; with "--join" each joined too)."""
+    squatter = Child("store_squatter.py", "127.0.0.1", server.port, count, *join, stdin=True)
+    assert squatter.next(STARTUP)["trying"]
+    wait_until(lambda: squatter.call("status")["opened"] == count, 30, "the squatter did not connect")
+    return squatter
+
+
+def test_another_process_holding_every_connection_does_not_keep_a_torch_rank_out(server):
+    """Connections that validated and never joined are not the group's: a
+    torch client given a world size takes the place of one, at once."""
+    squatter = squat(server, 20)
+    try:
+        assert server.connections() == 6
+        rank = Child("torch_store_ops.py", "127.0.0.1", server.port, 20.0, 3, stdin=True)
+        try:
+            assert ok(rank.next(STARTUP)) == "connected"
+            ok(rank.call("set", "k", b"v".hex()))
+            assert server.get("k", Deadline(5)) == b"v" and server.joined() == 1
+        finally:
+            rank.kill()
+        assert squatter.call("status")["closed"] >= 1
+    finally:
+        squatter.kill()
+
+
+def test_a_torch_client_refused_by_ranks_that_joined_retries_and_gets_in_when_a_slot_frees(server):
+    squatter = squat(server, 6, "--join")
     late = Child("torch_store_ops.py", "127.0.0.1", server.port, 60.0, stdin=True)
     try:
-        time.sleep(4)  # torch imports, connects, is closed at once, and retries
+        wait_until(lambda: "turned" in server.troubles(), STARTUP, "torch's client was not refused")
         assert late.lines.empty() and server.connections() == 6
-        for s in held:
-            s.close()
-        assert late.next(120)["ok"] == "connected"
+        squatter.kill()
+        assert ok(late.next(STARTUP)) == "connected"
         ok(late.call("set", "late", b"1".hex()))
         assert server.get("late", Deadline(5)) == b"1"
     finally:
         late.kill()
+        squatter.kill()
 
 
+def test_a_rank_still_connecting_when_the_group_is_given_up_is_turned_away_at_once():
+    """A torch rank refused at capacity retries (torch's backoff); the group
+    is given up (``close(turn_away_s)``): the rank's next attempt is
+    answered its handshake and closed at its join, which ends torch's
+    client there, not at its timeout; once every rank of the group joined
+    or was turned away, the store stops listening."""
+    server = StoreServer("127.0.0.1", limits=StoreLimits(max_connections=2, max_joins=4))
+    server.join()
+    squatter = squat(server, 2, "--join")  # two more ranks, holding both connections
+    rank = Child("torch_store_ops.py", "127.0.0.1", server.port, 120.0, 4, stdin=True)
+    try:
+        wait_until(lambda: "turned" in server.troubles(), STARTUP, "torch's client was not refused")
+        given_up = time.monotonic()
+        server.close(turn_away_s=600)
+        answer = rank.next(STARTUP)
+        assert "DistNetworkError" in answer["error"], answer
+        assert time.monotonic() - given_up < TORCH_NEXT_ATTEMPT + MARGIN  # not its 120 s
+        wait_until(lambda: nothing_listens("127.0.0.1", server.port), 10, "the store still listens")
+    finally:
+        rank.kill()
+        squatter.kill()
+        server.close()
+
+
+STARTUP = 120.0  # a child imports torch on a loaded machine
+# Torch's backoff between attempts: 0.5 s x 1.5 per attempt, +-50%; a few
+# attempts in, the next one comes within this.
+TORCH_NEXT_ATTEMPT = 15.0
 MAGIC_WRONG = 0x12345678
