@@ -36,7 +36,8 @@ T = TypeVar("T")
 FIRST_CTRL_C = ("Ctrl-C: letting the push in flight end on the servers (within its deadlines), so "
                 "they are left ready for the next one; press Ctrl-C again to abort it at once")
 SECOND_CTRL_C = ("a second Ctrl-C aborted the push mid-stream: the servers' workers may be left "
-                 "inside NCCL; reconnect() says which server, if any, needs a restart")
+                 "inside their update (over NCCL: inside a collective); reconnect() says which "
+                 "server, if any, needs a restart")
 # The windows: where the first Ctrl-C raises (the caller's own work), and
 # where the first lets the push end and the second aborts it.
 FIRST, SECOND = 1, 2
