@@ -31,6 +31,7 @@ from .vllm_workers import (
     Workers,
     app,
     attach,
+    host_parser,
     load_vllm,
     parallel_config,
     rpc_table,
@@ -106,18 +107,9 @@ def _routes(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("tree", nargs="?", help="a folder to put first on sys.path: vLLM 0.33.0's "
-                    "tree with the shim (see docs/testing.md), when vLLM is not installed")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--log", required=True, help="file that gets one JSON line per request")
-    ap.add_argument("--gpus", default="0,0",
-                    help="one GPU per worker (tensor-parallel rank), as harness.gpu_env takes them")
+    ap = host_parser(__doc__, gpus="0,0")
     ap.add_argument("--backend", default="ipc", help="the backend /server_info names")
     ap.add_argument("--fail-load-after", type=int, default=-1)
-    ap.add_argument("--cpu", action="store_true", help="no GPU: the model on the CPU (with --plane)")
-    ap.add_argument("--plane", default="", help="MODULE:ARGUMENT: each worker calls "
-                    "MODULE.install(ARGUMENT) first (a stand-in for CUDA IPC, for CPU tests)")
     args = ap.parse_args()
     gpus = args.gpus.split(",")
     load_vllm(args.tree, cpu=args.cpu)

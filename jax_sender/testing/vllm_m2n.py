@@ -32,7 +32,6 @@ reload, which needs a real vLLM model. Needs torch, vLLM's tree,
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 from types import SimpleNamespace
@@ -43,6 +42,7 @@ from .vllm_workers import (
     Workers,
     app,
     attach,
+    host_parser,
     load_vllm,
     parallel_config,
     rpc_table,
@@ -139,16 +139,7 @@ def worker_calls(rank: int, tp: int, device: str, opts: dict[str, Any]) -> dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("tree", nargs="?", help="a folder to put first on sys.path: vLLM 0.33.0's "
-                    "tree with the shim (see docs/testing.md), when vLLM is not installed")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--log", required=True, help="file that gets one JSON line per request")
-    ap.add_argument("--gpus", default="1,2",
-                    help="one GPU per worker (tensor-parallel rank), as harness.gpu_env takes them")
-    ap.add_argument("--cpu", action="store_true", help="no GPU: the model on the CPU (with --plane)")
-    ap.add_argument("--plane", default="", help="MODULE:ARGUMENT: each worker calls "
-                    "MODULE.install(ARGUMENT) first (a stand-in data plane for CPU tests)")
+    ap = host_parser(__doc__, gpus="1,2")
     args = ap.parse_args()
     gpus = args.gpus.split(",")
     load_vllm(args.tree, cpu=args.cpu)  # the routes: no GPU used in this process

@@ -14,6 +14,7 @@ each worker calls as ``FUNCTION(rank, tp, device, opts)`` for its RPC table
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ctypes
 import functools
@@ -345,6 +346,23 @@ def app(client: Any, log: str, *routers: Any) -> Any:
                                     "query": request.url.query, "status": status}) + "\n")
 
     return app
+
+
+def host_parser(doc: str, gpus: str) -> argparse.ArgumentParser:
+    """The command line every host takes: vLLM's tree, ``--port``, ``--log``,
+    ``--gpus`` (default ``gpus``), ``--cpu`` and ``--plane``; a host adds its own."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("tree", nargs="?", help="a folder to put first on sys.path: vLLM 0.33.0's "
+                    "tree with the shim (see docs/testing.md), when vLLM is not installed")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--log", required=True, help="file that gets one JSON line per request")
+    ap.add_argument("--gpus", default=gpus,
+                    help="one GPU per worker (tensor-parallel rank), as harness.gpu_env takes them")
+    ap.add_argument("--cpu", action="store_true", help="no GPU: the model on the CPU (with --plane)")
+    ap.add_argument("--plane", default="", help="MODULE:ARGUMENT: each worker calls "
+                    "MODULE.install(ARGUMENT) first (a stand-in for the GPU's data plane, for "
+                    "CPU tests)")
+    return ap
 
 
 def worker_envs(gpus: list[str]) -> list[dict[str, str]]:
