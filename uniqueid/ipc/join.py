@@ -167,7 +167,7 @@ def check_ipc_server(client: VLLMClient, deadline: Deadline) -> None:
         RendezvousError: not the ``ipc`` backend, or pickles refused.
     """
     try:
-        info = client.server_info(timeout=max(deadline.cap(30.0) or 30.0, 0.001))
+        info = client.server_info(timeout=min(30.0, _left(deadline)))
     except VLLMHTTPError:
         return
     config = info["vllm_config"].get("weight_transfer_config") or {}

@@ -25,7 +25,9 @@ import pytest
 from jax_sender import SendConfig, SendError, TransferError
 from jax_sender._src.core.tensors.naming import Mapping
 from jax_sender._src.ipc.sender import open_ipc_sender
+from nccl_cffi.waiting import Deadline
 from uniqueid import RendezvousError, VLLMClient
+from uniqueid.ipc.join import check_ipc_server
 
 from support import ROOT, on_tests_path
 from support.ipc_fabric import FabricMemory, uuid_of
@@ -150,6 +152,14 @@ def test_refused_before_the_server_is_touched(tmp_path, args, pickles, words):
         assert "\n" not in str(caught.value)
         paths = {json.loads(line)["path"] for line in log.read_text().splitlines()}
         assert paths <= {"/server_info", "/get_world_size"}, paths
+
+
+def test_a_passed_deadline_ends_the_server_check_before_any_request(server):
+    url, log = server
+    before = len(log.read_text().splitlines())
+    with VLLMClient(url) as client, pytest.raises(RendezvousError, match="deadline passed"):
+        check_ipc_server(client, Deadline(0))
+    assert len(log.read_text().splitlines()) == before
 
 
 def test_a_workers_load_failure_then_reconnect_and_an_exact_push(tmp_path):
