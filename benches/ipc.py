@@ -98,6 +98,7 @@ def role_ours(url: str, name: str, mode: str, reps: str, buffer: str) -> None:
     s = stats[1:]
     emit({"row": f"ours {mode}", "wall": walls, "bytes": s[0].bytes, "chunks": s[0].chunks,
           "start": [x.start_s for x in s], "transfer": [x.transfer_s for x in s],
+          "update": [x.update_s for x in s], "host": [x.host_s for x in s],
           "finish": [x.finish_s for x in s], "release_lag": lag})
 
 
@@ -199,6 +200,8 @@ def _run(args: argparse.Namespace) -> list[dict]:
                 rows = _shown(rows, one("role_torch", url, name, mode, str(args.reps),
                                         str(args.buffer), script=SCRIPT,
                                         env=dict(vllm_env(), **env)), name)
+        if args.no_socket:
+            continue
         with VLLMServer("1", output=f"{tmp}/nccl-server.out",
                         requests=f"{tmp}/nccl.jsonl") as url:
             rows = _shown(rows, one("role_socket", url, name, str(args.reps), script=SCRIPT,
@@ -228,6 +231,8 @@ def main() -> None:
                     help="the packed buffer, ours and torch's (torch's refuses a tensor "
                          "larger: qwen3-8b's embedding is 1.24 GB)")
     ap.add_argument("--workloads", nargs="+", default=["1gb", "qwen3-8b"])
+    ap.add_argument("--no-socket", action="store_true",
+                    help="skip the socket-fold row (its own server; the slowest)")
     args = ap.parse_args()
     rows = _run(args)
     with open(args.out, "w") as f:

@@ -45,9 +45,9 @@ from ..core.snapshot import copied
 from ..core.stats import SendStats
 from ..core.tensors.describe import Descriptions, Placement, Sources, describe, on_device, readiness
 from ..core.tensors.naming import Mapping
-from ..core.tensors.plan import Chunk, TensorMeta
+from ..core.tensors.plan import TensorMeta
 from .route import IPCRoute
-from .staging import Get, Stager, chunks, layout, update_of
+from .staging import Get, Placed, Stager, layout, packed_rounds, update_of
 
 log = logging.getLogger("jax_sender")
 
@@ -58,17 +58,17 @@ class Staged:
     buffer, then give the update that names it (``Round.staged``)."""
 
     metas: Sequence[TensorMeta]
-    chunk: Chunk
+    placed: Placed
     get: Get
     packed: bool
-    begin: int | None  # the push's first round: the buffers' size; later rounds None
+    first: bool  # the push's first round: the allocations are made ready
 
     def __call__(self, stager: Stager, timeout: float, check: Check) -> Any:
-        if self.begin is not None:
-            stager.begin(self.begin, timeout, check)
-        stager.stage(self.metas, self.chunk, self.get, timeout, check)
-        exports = stager.exports(self.metas, self.chunk, self.packed)
-        return update_of(self.metas, self.chunk, exports, packed=self.packed)
+        if self.first:
+            stager.begin(self.placed.sizes, timeout, check)
+        stager.stage(self.metas, self.placed, self.get, timeout, check)
+        exports = stager.exports(self.metas, self.placed, self.packed)
+        return update_of(self.metas, self.placed.chunk, exports, packed=self.packed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,8 +78,8 @@ class _Plan:
     metas: list[TensorMeta]  # as described
     order: list[int]  # the wire order, as indices into ``metas``
     wire: list[TensorMeta]  # ``metas`` in that order
-    chunks: list[Chunk]
-    nbytes: int  # what each buffer must hold
+    rounds: list[Placed]
+    nbytes: int  # what each GPU's allocations hold together
 
 
 class IPCSender:
@@ -195,12 +195,11 @@ class IPCSender:
         order = sorted(range(len(metas)), key=lambda i: -NCCL_TYPES[metas[i].dtype][1])
         wire = [metas[i] for i in order]
         if self.session.info.packed:
-            cut = chunks(wire, self.session.config.buffer_size_bytes)
-            nbytes = max((c.nbytes for c in cut), default=0)
+            cut = packed_rounds(wire, self.session.config.buffer_size_bytes)
         else:
             cut = [layout(wire)]
-            nbytes = cut[0].nbytes
-        self._plan = _Plan(metas=metas, order=order, wire=wire, chunks=cut, nbytes=nbytes)
+        nbytes = sum(cut[0].sizes) if cut else 0
+        self._plan = _Plan(metas=metas, order=order, wire=wire, rounds=cut, nbytes=nbytes)
         return self._plan
 
     def _check(self, plan: _Plan) -> None:
@@ -222,11 +221,11 @@ class IPCSender:
         config, packed = self.session.config, self.session.info.packed
         get = self._getter(plan, sources)
         rounds = [Round(update={}, root=0, parts=[], staged=True,
-                        feed=Staged(metas=plan.wire, chunk=c, get=get, packed=packed,
-                                    begin=plan.nbytes if k == 0 else None))
-                  for k, c in enumerate(plan.chunks)]
+                        feed=Staged(metas=plan.wire, placed=p, get=get, packed=packed,
+                                    first=k == 0))
+                  for k, p in enumerate(plan.rounds)]
         nbytes = sum(m.nbytes for m in plan.wire)
-        largest = max((c.nbytes for c in plan.chunks), default=0)
+        largest = max((p.chunk.nbytes for p in plan.rounds), default=0)
         timeout = config.wait_timeout_s(largest)
         stats = SendStats(bytes=nbytes, tensors=len(plan.wire), chunks=len(rounds),
                           packed=packed, reused_metadata=False)

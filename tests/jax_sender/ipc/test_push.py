@@ -24,7 +24,9 @@ import pytest
 
 from jax_sender import SendConfig, SendError, TransferError
 from jax_sender._src.core.tensors.naming import Mapping
+from jax_sender._src.core.tensors.plan import TensorMeta
 from jax_sender._src.ipc.sender import open_ipc_sender
+from jax_sender._src.ipc.staging import layout
 from nccl_cffi.waiting import Deadline
 from uniqueid import RendezvousError, VLLMClient
 from uniqueid.ipc.join import check_ipc_server
@@ -116,6 +118,43 @@ def test_pushes_are_bit_exact_on_both_workers_and_release_every_export(server, p
     assert memory.alive() == [] and not os.path.exists(f"/dev/shm{name}")
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert calls[-1]["path"] == "/shutdown_weight_transfer_engine"
+
+
+def test_the_unpacked_layout_gives_a_large_tensor_its_own_allocation_and_packs_small_ones():
+    metas = [TensorMeta(name="w", dtype="float32", shape=(512, 512)),  # 1 MiB: its own
+             TensorMeta(name="n1", dtype="float32", shape=(3,)),
+             TensorMeta(name="e", dtype="bfloat16", shape=(0, 4)),
+             TensorMeta(name="n2", dtype="bfloat16", shape=(700, 700)),  # 980,000 B: shared
+             TensorMeta(name="v", dtype="bfloat16", shape=(2048, 300)),  # 1.2 MB: its own
+             TensorMeta(name="n3", dtype="uint8", shape=(1_200_000 - 1,)),  # small, no room left
+             TensorMeta(name="n4", dtype="uint8", shape=(5,))]
+    placed = layout(metas)
+    assert placed.pieces == (0, 1, 1, 1, 2, 3, 1)
+    assert placed.chunk.offsets == (0, 0, 256, 256, 0, 0, 256 + 980_224)
+    assert placed.sizes == (1 << 20, 256 + 980_224 + 256, 1_228_800, 1_200_128)
+    assert placed.chunk.nbytes == sum(placed.sizes)
+    for m, k, at in zip(metas, placed.pieces, placed.chunk.offsets):
+        assert at % 256 == 0 and at + m.nbytes <= placed.sizes[k]
+
+
+def test_unpacked_large_tensors_travel_in_allocations_of_their_own_reused_while_the_tree_holds(
+        server):
+    url, _ = server
+    memory = FabricMemory()
+    big = lambda seed, n: jnp.asarray(  # noqa: E731
+        np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+    with sender_on(url, memory, packed=False) as sender:
+        for seed in (1, 2):  # three allocations (two tensors of 1 MiB or more, the small ones)
+            params = dict(tree(seed), w1=big(seed, 1 << 18), w2=big(seed + 9, 300_000))
+            sender.send(params)
+            assert holds(sender, params)
+            assert len(memory.alive()) == 3
+        released(sender)
+        params = dict(tree(3), w1=big(3, (1 << 18) + 1))  # one large tensor: two allocations
+        sender.send(params)
+        assert holds(sender, params) and len(memory.alive()) == 2
+        assert len(memory.exported) == 1 + 3 + 2  # the connect's probe, then the pushes'
+    assert memory.alive() == []
 
 
 def test_an_asynchronous_push_survives_a_step_that_donates_the_arrays(server):
