@@ -12,6 +12,7 @@ looks at one attribute, not at every call).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
@@ -28,6 +29,24 @@ T = TypeVar("T")
 # How long past its deadline a phase is waited for before it is given up:
 # every call ends by the deadline on the loop; this only covers the handoffs.
 GRACE_S = 1.0
+# How long a phase given up waits for the HTTP loop to run a no-op, to say
+# in its error whether the loop itself was blocked.
+PROBE_S = 0.5
+
+
+def loop_lag(wait_s: float = PROBE_S) -> float | None:
+    """Seconds the HTTP loop took to run a no-op handed to it now, or None
+    if it did not within ``wait_s``.
+
+    Why: a phase outlives its grace only if the loop did not end its calls
+    at their own deadlines (each call's timer runs on the loop). The error
+    says whether the loop is blocked now, or ran again once the stall
+    (a whole-process pause, say) was over.
+    """
+    ran = threading.Event()
+    t = time.monotonic()
+    transport.loop().call_soon_threadsafe(ran.set)
+    return time.monotonic() - t if ran.wait(wait_s) else None
 
 
 
@@ -65,6 +84,8 @@ class Calls(Generic[T]):
         self.settled: Future[None] = Future()
         self._left = n
         self._tasks: list[asyncio.Task[None]] = []
+        self._made = time.monotonic()
+        self._started: float | None = None  # when the loop started the calls
         if n:
             transport.loop().call_soon_threadsafe(self._start, call)
         else:
@@ -73,6 +94,7 @@ class Calls(Generic[T]):
 
     # On the loop.
     def _start(self, call: Callable[[int, float | None], Awaitable[T]]) -> None:
+        self._started = time.monotonic()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._one(i, call)) for i in range(len(self.clients))]
 
@@ -130,7 +152,21 @@ class Calls(Generic[T]):
             raise
         if not ended:
             self.cancel()
-            raise RendezvousTimeout(f"{self.named(self.pending())}: no answer by the deadline")
+            raise RendezvousTimeout(f"{self.named(self.pending())}: no answer by the deadline "
+                                    f"({self._stalled()})")
+
+    def _stalled(self) -> str:
+        """What a phase given up past its grace says about the HTTP loop:
+        how long it waited, when the loop started its calls, and whether
+        the loop runs now (a call that outlived its own deadline means the
+        loop, or the whole process, did not run for a while)."""
+        waited = time.monotonic() - self._made
+        started = ("its calls never started on the HTTP loop" if self._started is None
+                   else f"its calls started {self._started - self._made:.3f} s after it")
+        lag = loop_lag()
+        now = (f"the loop is blocked (a no-op did not run within {PROBE_S:g} s)" if lag is None
+               else f"the loop runs now (a no-op ran in {lag * 1e3:.0f} ms)")
+        return f"given up after {waited:.1f} s; {started}; {now}"
 
     def outcome(self) -> list[T]:
         """Every result, in order, once every call ended.

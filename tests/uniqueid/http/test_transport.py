@@ -93,3 +93,38 @@ def test_a_callers_cancel_is_not_taken_for_a_deadline():
     assert on_loop(two())[0] == "answer"
     assert time.monotonic() - start < 4.0
     assert not transport._expiries
+
+
+# -- a phase given up past its grace says what the loop was doing ------------------
+
+def _phase_given_up(block_loop_s: float) -> str:
+    """The error of a one-server phase whose call never ends (it ignores any
+    deadline), the HTTP loop blocked for ``block_loop_s`` once it started."""
+    from nccl_cffi import Deadline
+    from uniqueid import RendezvousTimeout, VLLMClient
+    from uniqueid.http.fleet import Calls
+
+    async def silent(i: int, left: float | None) -> None:
+        if block_loop_s:
+            asyncio.get_running_loop().call_later(0.05, time.sleep, block_loop_s)
+        await forever()
+
+    calls = Calls([VLLMClient("http://127.0.0.1:9")], silent, deadline=Deadline(0.1))
+    with pytest.raises(RendezvousTimeout, match="no answer by the deadline") as e:
+        calls.wait()
+    time.sleep(block_loop_s)  # the loop free again for the next test
+    return str(e.value)
+
+
+def test_a_phase_given_up_says_the_loop_was_blocked():
+    """Past its grace with the loop blocked: the error says so (a call's own
+    deadline runs on the loop, so only a loop that did not run outlives it)."""
+    message = _phase_given_up(3.0)
+    assert "the loop is blocked" in message and "calls started 0.0" in message, message
+
+
+def test_a_phase_given_up_with_the_loop_running_says_so():
+    """Past its grace with the loop free (the stall, if any, over): the error
+    says the loop runs, and when the calls started."""
+    message = _phase_given_up(0.0)
+    assert "the loop runs now" in message and "given up after 1." in message, message
