@@ -20,6 +20,25 @@ from .errors import CudaError
 from .waiting import Check, no_check, poll_until
 
 IPC_HANDLE_BYTES = 64
+# Every exported allocation is a whole number of these. CUDA may carve a
+# smaller cuMemAlloc out of a shared block, and its IPC handle then names the
+# block: a worker would map the block's start, not the buffer's (and see its
+# neighbours). CUDA's programming guide recommends sharing only allocations of
+# a 2 MiB-aligned size; torch's caching allocator never exports smaller ones.
+IPC_GRANULE = 2 << 20
+
+
+def exported_bytes(nbytes: int) -> int:
+    """The bytes an ``Exported`` buffer asked for ``nbytes`` takes: a whole
+    number of ``IPC_GRANULE``, at least one.
+
+    Args:
+        nbytes: the bytes asked for.
+
+    Returns:
+        The allocation's size.
+    """
+    return -(-max(nbytes, 1) // IPC_GRANULE) * IPC_GRANULE
 
 
 def gpu_uuid(ordinal: int) -> str:
@@ -62,7 +81,8 @@ class Exported(DeviceMemory):
     a worker maps the whole buffer and reads at offsets into it).
 
     Args:
-        nbytes: its size (zeroed: a worker never sees this process's old bytes).
+        nbytes: the bytes it must hold; it takes ``exported_bytes(nbytes)``
+            (its ``nbytes``), zeroed: a worker never sees this process's old bytes.
         device: the CUDA device.
 
     Raises:
@@ -70,7 +90,7 @@ class Exported(DeviceMemory):
     """
 
     def __init__(self, nbytes: int, device: int):
-        super().__init__(nbytes, device)
+        super().__init__(exported_bytes(nbytes), device)
         with on_device(device):
             handle = _check(_driver().cuIpcGetMemHandle(self.ptr), "cuIpcGetMemHandle")
         self.handle = bytes(handle.reserved)

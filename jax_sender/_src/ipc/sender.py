@@ -29,7 +29,7 @@ import jax
 
 from nccl_cffi import CudaError, cuda
 from nccl_cffi.dtypes import NCCL_TYPES
-from nccl_cffi.ipc import CudaIPC
+from nccl_cffi.ipc import CudaIPC, exported_bytes
 from nccl_cffi.waiting import Check
 from uniqueid.ipc.counters import SLOTS
 from uniqueid.ipc.join import IPCConnection, Memory
@@ -140,7 +140,7 @@ class IPCSender:
         jax_devs = usable_gpus(devices)
         memory = memory or CudaIPC()
         if config.packed:
-            _check_room(memory, list(jax_devs), config.buffer_size_bytes, 0)
+            _check_room(memory, list(jax_devs), exported_bytes(config.buffer_size_bytes), 0)
         return open_ipc_sender(senders.one_server(server, "an IPC sender"), jax_devs, mapping=mapping,
                                config=config, memory=memory, strict_devices=devices is not None)
 
@@ -198,7 +198,7 @@ class IPCSender:
             cut = packed_rounds(wire, self.session.config.buffer_size_bytes)
         else:
             cut = [layout(wire)]
-        nbytes = sum(cut[0].sizes) if cut else 0
+        nbytes = sum(exported_bytes(n) for n in cut[0].sizes) if cut else 0
         self._plan = _Plan(metas=metas, order=order, wire=wire, rounds=cut, nbytes=nbytes)
         return self._plan
 

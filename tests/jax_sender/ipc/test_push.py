@@ -214,10 +214,10 @@ def test_a_workers_load_failure_then_reconnect_and_an_exact_push(tmp_path):
 
 def test_staging_larger_than_the_free_memory_is_refused_before_any_request(server):
     url, log = server
-    with sender_on(url, FabricMemory(free=1 << 20), packed=False) as sender:
+    with sender_on(url, FabricMemory(free=3 << 20), packed=False) as sender:
         before = len(log.read_text().splitlines())
-        with pytest.raises(TransferError, match="GiB free"):
-            sender.send({"w": jnp.zeros((1 << 19,), jnp.float32)})
+        with pytest.raises(TransferError, match="GiB free"):  # two 2 MiB granules and one
+            sender.send({"w": jnp.zeros((1 << 19,), jnp.float32), "n": jnp.zeros(3)})
         assert len(log.read_text().splitlines()) == before
         sender.send(tree(6))
         assert sender.verify(tree(6)).ok
