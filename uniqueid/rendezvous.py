@@ -363,14 +363,14 @@ async def _release(client: VLLMClient, deadline: Deadline) -> None:
     finish = VLLMClient.finish_weight_update.coroutine  # type: ignore[attr-defined]
     try:
         try:
-            await shutdown(client, timeout=_seconds_left(deadline))
+            await shutdown(client, timeout=seconds_left(deadline))
             return
         except VLLMHTTPError as refused:
             try:
-                await finish(client, timeout=_seconds_left(deadline))
+                await finish(client, timeout=seconds_left(deadline))
             except VLLMHTTPError:
                 raise refused from None
-            await shutdown(client, timeout=_seconds_left(deadline))
+            await shutdown(client, timeout=seconds_left(deadline))
     except (VLLMTimeout, RendezvousTimeout) as e:
         raise ServerStuck(
             f"{client.base_url}: its weight-transfer engine did not answer within the "
@@ -378,12 +378,24 @@ async def _release(client: VLLMClient, deadline: Deadline) -> None:
             "(vLLM sets no deadline there); restart that server") from e
 
 
-def _seconds_left(deadline: Deadline) -> float:
+def seconds_left(deadline: Deadline, what: str = "the deadline") -> float:
+    """What is left of ``deadline`` for one call (60 s when it has none).
+
+    Args:
+        deadline: the whole operation's.
+        what: the deadline's name in the error.
+
+    Returns:
+        Seconds, more than 0.
+
+    Raises:
+        RendezvousTimeout: it passed.
+    """
     left = deadline.left()
     if left is None:
         return 60.0
     if left <= 0:
-        raise RendezvousTimeout("the deadline passed")
+        raise RendezvousTimeout(f"{what} passed")
     return left
 
 
@@ -498,9 +510,9 @@ async def _engine_core(client: VLLMClient, timeout: float) -> bool:
     """``engine_answers`` on the HTTP loop."""
     deadline, route = Deadline(timeout), "/is_paused"
     try:
-        paused = await VLLMClient.is_paused.coroutine(client, timeout=_seconds_left(deadline))
+        paused = await VLLMClient.is_paused.coroutine(client, timeout=seconds_left(deadline))
         route = "/weight_info"
-        await VLLMClient.weight_info.coroutine(client, timeout=_seconds_left(deadline))
+        await VLLMClient.weight_info.coroutine(client, timeout=seconds_left(deadline))
     except (VLLMTimeout, RendezvousTimeout) as e:
         raise ServerStuck(
             f"{client.base_url}: its engine does not answer (GET {route} took over {timeout:.2g} s, "
@@ -524,7 +536,7 @@ def check_engines(clients: Sequence[VLLMClient], deadline: Deadline) -> None:
         ServerStuck: naming each server whose engine did not answer.
         RendezvousTimeout: ``deadline`` had passed.
     """
-    seconds = min(ENGINE_ANSWER_S, _seconds_left(deadline))
+    seconds = min(ENGINE_ANSWER_S, seconds_left(deadline))
     calls = Calls(clients, lambda i, left: _engine_core(clients[i], seconds),
                   deadline=Deadline(seconds))
     calls.wait()
@@ -710,4 +722,4 @@ async def _post_init(client: VLLMClient, info: InitInfo | M2NInitInfo,
                      deadline: Deadline) -> None:
     """``/init_weight_transfer_engine``, answered within ``deadline``."""
     init = VLLMClient.init_weight_transfer_engine.coroutine  # type: ignore[attr-defined]
-    await init(client, info.to_payload(), timeout=_seconds_left(deadline))
+    await init(client, info.to_payload(), timeout=seconds_left(deadline))

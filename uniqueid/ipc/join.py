@@ -29,7 +29,7 @@ from nccl_cffi.waiting import Check, Deadline, poll_until
 
 from ..errors import RendezvousError
 from ..http.client import VLLMClient, VLLMHTTPError
-from ..rendezvous import check_engines, close_connection, release, world_sizes
+from ..rendezvous import check_engines, close_connection, release, seconds_left, world_sizes
 from .counters import CountersHeld, RefCounters
 from .handles import RebuildArgs, pickled
 from .wire import IPCInitInfo, IPCUpdateInfo
@@ -38,6 +38,7 @@ log = logging.getLogger("uniqueid")
 
 PROBE_BYTES = 256  # the probe's buffer on each trainer GPU (a worker maps it, reads none)
 RELEASE_S = 10.0  # how long a release may lag the server's answer, at close
+CONNECT = "the connect's deadline"  # what passed, when a connect's call finds none left
 _MISSING = re.compile(r"IPC handle not found for GPU UUID ([0-9a-fA-F-]+)")
 _NO_PICKLES = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 UNSAFE = ("it then unpickles whatever any client of /update_weights sends, which runs code in "
@@ -167,7 +168,7 @@ def check_ipc_server(client: VLLMClient, deadline: Deadline) -> None:
         RendezvousError: not the ``ipc`` backend, or pickles refused.
     """
     try:
-        info = client.server_info(timeout=min(30.0, _left(deadline)))
+        info = client.server_info(timeout=min(30.0, seconds_left(deadline, CONNECT)))
     except VLLMHTTPError:
         return
     config = info["vllm_config"].get("weight_transfer_config") or {}
@@ -221,7 +222,7 @@ def connect_ipc(client: VLLMClient, *, devices: Sequence[int], packed: bool, mem
         hosting = _hosting(client, uuids, ranks, strict_devices)
         if not packed:
             client.init_weight_transfer_engine(IPCInitInfo(packed=False).to_payload(),
-                                               timeout=_left(deadline))
+                                               timeout=seconds_left(deadline, CONNECT))
     except BaseException:
         _leave(client, deadline)
         plane.destroy()
@@ -241,13 +242,13 @@ def _probe(client: VLLMClient, workers: int, uuids: dict[int, str], plane: IPCPl
     try:
         release(client, deadline)  # a session a trainer left open (killed mid-push) is finished
         client.init_weight_transfer_engine(IPCInitInfo(packed=True).to_payload(),
-                                           timeout=_left(deadline))
-        client.start_weight_update(timeout=_left(deadline))
+                                           timeout=seconds_left(deadline, CONNECT))
+        client.start_weight_update(timeout=seconds_left(deadline, CONNECT))
         try:
-            client.update_weights(payloads, timeout=_left(deadline))
+            client.update_weights(payloads, timeout=seconds_left(deadline, CONNECT))
         except VLLMHTTPError as e:
             raise _refused(client, e, list(uuids.values())) from None
-        client.finish_weight_update(timeout=_left(deadline))
+        client.finish_weight_update(timeout=seconds_left(deadline, CONNECT))
         ranks = _mapped(plane.counters, per_rank, uuids, deadline, client)
     except BaseException:  # a worker may still map them: freed once released
         for d, buffer in buffers.items():
@@ -320,10 +321,3 @@ def _leave(client: VLLMClient, deadline: Deadline) -> None:
         release(client, Deadline(max(deadline.left() or 0.0, 5.0)))
     except RendezvousError as e:
         log.warning("%s", e)
-
-
-def _left(deadline: Deadline) -> float:
-    left = deadline.left()
-    if left is not None and left <= 0:
-        raise RendezvousError("the connect's deadline passed")
-    return 60.0 if left is None else left

@@ -58,7 +58,14 @@ from ..codec import UNIQUE_ID_BYTES, UniqueId
 from ..errors import RendezvousError, RendezvousTimeout, ServerStuck, StoreError
 from ..http.client import VLLMClient
 from ..http.fleet import Calls
-from ..rendezvous import await_inits, check_engines, close_connection, post_inits, world_sizes
+from ..rendezvous import (
+    await_inits,
+    check_engines,
+    close_connection,
+    post_inits,
+    seconds_left,
+    world_sizes,
+)
 from .agreement import (
     M2NMesh,
     M2NWireParam,
@@ -335,8 +342,7 @@ def _server_mesh(server: VLLMClient, deadline: Deadline) -> tuple[int, int]:
     """The server's workers as (replicas, tensor-parallel ranks): its world
     size with and without data parallelism."""
     total = world_sizes([server], None, deadline)[0]
-    left = deadline.left()
-    per_replica = server.get_world_size(False, timeout=60.0 if left is None else max(left, 1e-3))
+    per_replica = server.get_world_size(False, timeout=seconds_left(deadline))
     if not 1 <= per_replica <= total or total % per_replica:
         raise RendezvousError(
             f"{server.base_url} reports {total} workers in all but {per_replica} per replica, "

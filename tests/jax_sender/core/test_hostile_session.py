@@ -395,7 +395,7 @@ def test_reconnect_names_only_the_server_that_is_stuck(caplog):
     (ServerStuck: restart that server)". With two servers and the first
     holding ``/shutdown_weight_transfer_engine``, the first spends the
     whole deadline; the second, never asked anything, is then logged as
-    stuck, "restart that server" (``rendezvous.release``: ``_seconds_left``
+    stuck, "restart that server" (``rendezvous.release``: ``seconds_left``
     raises ``RendezvousTimeout`` before any call, and it becomes
     ``ServerStuck``), and it is left initialized."""
     sender, (a, b), _ = memory_sender(SendConfig(buffer_size_bytes=4096, reconnect_timeout_s=1.0),
