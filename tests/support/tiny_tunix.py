@@ -97,6 +97,27 @@ def tunix_model(folder, checkpoint: dict[str, np.ndarray], *, family: str = "qwe
     return params.create_model_from_safe_tensors(str(folder), config, mode=mode)
 
 
+def qwen3_state(seed: int, layers: int = 2, embed: int = 64, heads: int = 4,
+                kv_heads: int = 2, head_dim: int = 24, ffn: int = 96, vocab: int = 160):
+    """Tunix's Qwen3 ``nnx.state(model, nnx.Param)`` as a pure dict (every leaf
+    path ends in ``value``); ``heads * head_dim != embed``, so a swapped
+    reshape cannot pass."""
+    import jax.numpy as jnp
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16 * layers + 8))
+    w = lambda *s: {"value": jax.random.normal(next(keys), s, jnp.bfloat16)}  # noqa: E731
+    layer = lambda: {  # noqa: E731
+        "attn": {"q_proj": {"w": w(embed, heads, head_dim)},
+                 "k_proj": {"w": w(embed, kv_heads, head_dim)},
+                 "v_proj": {"w": w(embed, kv_heads, head_dim)},
+                 "o_proj": {"w": w(heads, head_dim, embed)},
+                 "q_norm": {"w": w(head_dim)}, "k_norm": {"w": w(head_dim)}},
+        "mlp": {"gate_proj": {"kernel": w(embed, ffn)}, "up_proj": {"kernel": w(embed, ffn)},
+                "down_proj": {"kernel": w(ffn, embed)}},
+        "input_layernorm": {"w": w(embed)}, "post_attention_layernorm": {"w": w(embed)}}
+    return {"embedder": {"input_embedding": w(vocab, embed)}, "final_norm": {"w": w(embed)},
+            "lm_head": {"w": w(embed, vocab)}, "layers": {str(i): layer() for i in range(layers)}}
+
+
 def hugging_face(tree: Any) -> dict[str, np.ndarray]:
     """The Hugging Face tensors vLLM's Qwen3 loads, written out by hand from
     Tunix's layout (``nnx.state(model, nnx.Param)``, or its pure dict, or a

@@ -1054,40 +1054,18 @@ def many_sends(url: str, mode: str, count: str) -> None:
 
 # -- a Tunix model tree through TUNIX_QWEN3 ----------------------------------------
 
-def _tunix_qwen3_tree(seed: int, layers: int = 2, embed: int = 64, heads: int = 4,
-                      kv_heads: int = 2, head_dim: int = 24, ffn: int = 96, vocab: int = 160):
-    """Tunix's Qwen3 ``nnx.state(model, nnx.Param)`` as a pure dict (every leaf
-    path ends in ``value``); ``heads * head_dim != embed``, so a swapped
-    reshape cannot pass."""
-    import jax
-    import jax.numpy as jnp
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16 * layers + 8))
-    w = lambda *s: {"value": jax.random.normal(next(keys), s, jnp.bfloat16)}  # noqa: E731
-    layer = lambda: {  # noqa: E731
-        "attn": {"q_proj": {"w": w(embed, heads, head_dim)},
-                 "k_proj": {"w": w(embed, kv_heads, head_dim)},
-                 "v_proj": {"w": w(embed, kv_heads, head_dim)},
-                 "o_proj": {"w": w(heads, head_dim, embed)},
-                 "q_norm": {"w": w(head_dim)}, "k_norm": {"w": w(head_dim)}},
-        "mlp": {"gate_proj": {"kernel": w(embed, ffn)}, "up_proj": {"kernel": w(embed, ffn)},
-                "down_proj": {"kernel": w(ffn, embed)}},
-        "input_layernorm": {"w": w(embed)}, "post_attention_layernorm": {"w": w(embed)}}
-    return {"embedder": {"input_embedding": w(vocab, embed)}, "final_norm": {"w": w(embed)},
-            "lm_head": {"w": w(embed, vocab)}, "layers": {str(i): layer() for i in range(layers)}}
-
-
 def tunix_qwen3(url: str, mode: str) -> None:
     """A Tunix Qwen3 tree pushed through ``TUNIX_QWEN3``, twice (the second
     reusing the metadata): each worker holds the Hugging Face tensors written
     out by hand, byte for byte, and ``verify()`` agrees."""
     from jax_sender import TUNIX_QWEN3, SendConfig, WeightSender
 
-    from support.tiny_tunix import hugging_face
+    from support.tiny_tunix import hugging_face, qwen3_state
     sender = WeightSender.connect(url, mapping=TUNIX_QWEN3, config=SendConfig(
         packed=mode == "packed", buffer_size_bytes=1 << 16))
     client = sender.session.clients[0]
     for i in range(2):
-        tree = _tunix_qwen3_tree(i)
+        tree = qwen3_state(i)
         stats = sender.send(tree, weight_version=f"tunix-{i}")
         assert stats.reused_metadata == (i > 0), stats
         want = _checksums(hugging_face(tree).items(), 1)
