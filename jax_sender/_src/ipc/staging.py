@@ -175,16 +175,21 @@ class Stager:
 
         Raises:
             CountersHeld: they are not released within ``timeout``.
+            Exception: what a failed allocation raised; none is then held.
         """
         self.plane.counters.wait(self._slots, timeout, "the last push's staging buffer",
                                  check=check)
         self._slots, self._whole, self.started = [], None, 0.0
         if not self.fits(sizes):
             self._free()  # the old ones go before the new ones are asked for
-            for o in self.devices:
-                self.buffers[o] = []
-                for n in sizes:
-                    self.buffers[o].append(self.plane.memory.export(o, max(n, 1)))
+            try:
+                for o in self.devices:
+                    self.buffers[o] = []
+                    for n in sizes:
+                        self.buffers[o].append(self.plane.memory.export(o, max(n, 1)))
+            except BaseException:
+                self._free()  # a push that cannot stage keeps none of the GPU's memory
+                raise
 
     def _free(self) -> None:
         for held in self.buffers.values():

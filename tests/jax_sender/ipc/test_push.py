@@ -223,6 +223,38 @@ def test_staging_larger_than_the_free_memory_is_refused_before_any_request(serve
         assert sender.verify(tree(6)).ok
 
 
+class FailingAt(FabricMemory):
+    """The exports numbered in ``failing`` (from 1: the connect's probe) fail
+    as ``cuMemAlloc`` does when another tenant took the memory meanwhile."""
+
+    def __init__(self, *failing: int):
+        super().__init__()
+        self.failing, self.calls = failing, 0
+
+    def export(self, device: int, nbytes: int):
+        self.calls += 1
+        if self.calls in self.failing:
+            raise MemoryError(f"out of memory exporting {nbytes} bytes")
+        return super().export(device, nbytes)
+
+
+def test_an_allocation_failing_midway_leaves_nothing_held_and_the_next_push_is_exact(server):
+    url, _ = server
+    memory = FailingAt(3, 7)
+    large = lambda seed: jnp.asarray(  # noqa: E731
+        np.random.default_rng(seed).standard_normal(1 << 18).astype(np.float32))
+    grown = {"mid.w1": large(1), "mid.w2": large(2), "mid.n": jnp.arange(4.0)}
+    with sender_on(url, memory, packed=False) as sender:
+        for params in (grown, dict(grown, **{"mid.w3": large(3)})):  # the first push, a grown one
+            with pytest.raises(SendError, match="before any weights were sent") as caught:
+                sender.send(params)  # its second allocation fails
+            assert "\n" not in str(caught.value) and "out of memory" in str(caught.value)
+            assert memory.alive() == []  # the old allocations freed, none of the new kept
+            sender.send(params)
+            assert holds(sender, params) and len(memory.alive()) == len(params)
+    assert memory.alive() == []
+
+
 def test_the_clients_colocation_routes_are_vllms_own(server):
     """/sleep, /wake_up (tags), /is_sleeping and /server_info through vLLM's
     own routers: what the client sends is what they read."""
