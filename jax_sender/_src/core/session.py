@@ -315,6 +315,12 @@ class Session:
         return self.connection.init_info if self.connection else self.route.group.init_info
 
     @property
+    def broadcaster(self) -> Broadcaster | None:
+        """What moves the bytes over the connection now (None before its
+        first push): a sender may ask what it holds before a push."""
+        return self._broadcaster
+
+    @property
     def clients(self) -> list[VLLMClient]:
         """The servers this process talks to (none off process 0)."""
         return self.connection.clients if self.connection else []

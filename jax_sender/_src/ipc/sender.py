@@ -99,12 +99,6 @@ class IPCSender:
         self.device = next(iter(devices.values()))
         self._descriptions = Descriptions(mapping, self.device, None)
         self._plan: _Plan | None = None
-        self._staged = 0  # the largest buffer a push asked for (the free-memory check's base)
-        session.on_reset.append(self._forget_staging)
-
-    def _forget_staging(self, aborted: bool) -> None:
-        """The connection was given up: its buffers go with it."""
-        self._staged = 0
 
     @classmethod
     def connect(cls, server: Servers, *, devices: Sequence[int] | None = None,
@@ -212,9 +206,12 @@ class IPCSender:
                 f"an unpacked push of {len(plan.wire)} tensors to {len(conn.ranks)} workers "
                 f"needs {need} IPC exports, more than the {SLOTS} a ref-counter file holds: "
                 "connect with SendConfig(packed=True)")
-        if plan.nbytes > self._staged:  # asked only when the buffers grow (a driver call)
-            _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, self._staged)
-            self._staged = plan.nbytes
+        stager = self.session.broadcaster
+        if not plan.rounds or isinstance(stager, Stager) and stager.fits(plan.rounds[0].sizes):
+            return  # the allocations held now are reused: nothing to ask the driver
+        # Allocations that do not fit are all freed before the new ones are made.
+        held = stager.held_bytes() if isinstance(stager, Stager) else 0
+        _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, held)
 
     def _prepared(self, plan: _Plan, sources: Sources) -> PreparedPush:
         """The push's rounds (one per chunk), figures and deadlines."""
@@ -304,7 +301,7 @@ def usable_gpus(devices: Sequence[int] | None) -> dict[int, jax.Device]:
 
 def _check_room(memory: Memory, ordinals: list[int], nbytes: int, staged: int) -> None:
     """Refuse staging a GPU's free memory cannot hold (beyond ``staged``,
-    what the current buffer already has), before anything reaches a server.
+    what the allocations it replaces hold), before anything reaches a server.
 
     Raises:
         TransferError: not enough free memory, with the sizes and the fixes.

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 
 from nccl_cffi.dtypes import NCCL_TYPES
+from nccl_cffi.ipc import exported_bytes
 from nccl_cffi.waiting import Check
 from uniqueid.ipc.handles import RebuildArgs, pickled
 from uniqueid.ipc.join import IPCConnection
@@ -190,6 +191,11 @@ class Stager:
             except BaseException:
                 self._free()  # a push that cannot stage keeps none of the GPU's memory
                 raise
+
+    def held_bytes(self) -> int:
+        """The most any one GPU's allocations take now (none: 0)."""
+        return max((sum(exported_bytes(b.nbytes) for b in held)
+                    for held in self.buffers.values()), default=0)
 
     def _free(self) -> None:
         for held in self.buffers.values():

@@ -27,6 +27,7 @@ from jax_sender._src.core.tensors.naming import Mapping
 from jax_sender._src.core.tensors.plan import TensorMeta
 from jax_sender._src.ipc.sender import open_ipc_sender
 from jax_sender._src.ipc.staging import layout
+from nccl_cffi.ipc import exported_bytes
 from nccl_cffi.waiting import Deadline
 from uniqueid import RendezvousError, VLLMClient
 from uniqueid.ipc.join import check_ipc_server
@@ -223,6 +224,25 @@ def test_staging_larger_than_the_free_memory_is_refused_before_any_request(serve
         assert sender.verify(tree(6)).ok
 
 
+class Budget(FabricMemory):
+    """A GPU of ``budget`` bytes: its free memory is what exports (rounded
+    as CUDA's are) and ``taken`` (another tenant) leave; an export past it
+    fails as ``cuMemAlloc`` does."""
+
+    def __init__(self, budget: int):
+        super().__init__()
+        self.budget, self.taken = budget, 0
+
+    def free_bytes(self, device: int) -> int:
+        held = sum(exported_bytes(b.nbytes) for b in self.exported if b._map is not None)
+        return self.budget - self.taken - held
+
+    def export(self, device: int, nbytes: int):
+        if exported_bytes(nbytes) > self.free_bytes(device):
+            raise MemoryError(f"out of memory exporting {nbytes} bytes")
+        return super().export(device, nbytes)
+
+
 class FailingAt(FabricMemory):
     """The exports numbered in ``failing`` (from 1: the connect's probe) fail
     as ``cuMemAlloc`` does when another tenant took the memory meanwhile."""
@@ -252,6 +272,26 @@ def test_an_allocation_failing_midway_leaves_nothing_held_and_the_next_push_is_e
             assert memory.alive() == []  # the old allocations freed, none of the new kept
             sender.send(params)
             assert holds(sender, params) and len(memory.alive()) == len(params)
+    assert memory.alive() == []
+
+
+def test_the_free_memory_check_counts_what_the_staging_holds_now(server):
+    """A push that reallocates smaller gives memory back; a later larger
+    one is checked against what is free then, before any request."""
+    url, log = server
+    memory = Budget(8 << 20)
+    with sender_on(url, memory, packed=False) as sender:
+        large = {"room.w1": jnp.ones((1 << 18,)), "room.w2": jnp.ones((1 << 18,))}
+        sender.send(large)  # two allocations of 2 MiB
+        sender.send({"room.n": jnp.arange(3.0)})  # one: the two freed
+        memory.taken = 5 << 20  # 1 MiB free besides the 2 MiB held: 4 MiB do not fit
+        before = len(log.read_text().splitlines())
+        with pytest.raises(TransferError, match="free"):
+            sender.send(large)
+        assert len(log.read_text().splitlines()) == before
+        memory.taken = 0
+        sender.send(large)
+        assert holds(sender, large)
     assert memory.alive() == []
 
 
