@@ -311,10 +311,16 @@ def _check_room(memory: Memory, ordinals: list[int], nbytes: int, staged: int) -
         free = memory.free_bytes(ordinal)
         if grow > free:
             raise TransferError(
-                f"the IPC staging buffer needs {nbytes / 2**30:.2f} GiB on GPU {ordinal}, which "
-                f"has {free / 2**30:.2f} GiB free: push packed with a smaller "
+                f"the IPC staging buffer needs {_sized(nbytes)} on GPU {ordinal}, which has "
+                f"{_sized(free)} free: push packed with a smaller "
                 "SendConfig(buffer_size_bytes=...), let JAX take less "
                 "(XLA_PYTHON_CLIENT_MEM_FRACTION) or let vLLM sleep during the push")
+
+
+def _sized(nbytes: int) -> str:
+    """Bytes for a message: GiB, or MiB under one (staging comes in 2 MiB
+    granules, which GiB to two places would show as 0.00)."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def open_ipc_sender(clients: list[Any], devices: dict[int, jax.Device], *, mapping: Mapping,
