@@ -144,6 +144,12 @@ def pickled(obj: Any) -> str:
     """``obj`` as vLLM's ``ipc_handles_pickled`` carries it: standard base64
     of a protocol-4 pickle.
 
+    Strings, bytes and globals are written once and fetched from the memo
+    after (as Python's pickler does): an unpacked push names torch's classes,
+    its dtype, a GPU's UUID, the ref-counter file and often a handle in every
+    export, and each repeat would cost the worker a lookup (a global is an
+    import) and the payload its bytes.
+
     Args:
         obj: dicts, lists, tuples, str, bytes, int, bool, ``Global`` and
             ``Reduce`` (what the handles hold).
@@ -154,50 +160,68 @@ def pickled(obj: Any) -> str:
     Raises:
         TypeError: a value of another type.
     """
-    out = bytearray(b"\x80\x04")  # PROTO 4
-    _write(out, obj)
-    out += b"."  # STOP
-    return base64.b64encode(bytes(out)).decode("ascii")
+    writer = _Writer()
+    writer.write(obj)
+    writer.out += b"."  # STOP
+    return base64.b64encode(bytes(writer.out)).decode("ascii")
 
 
-def _write(out: bytearray, obj: Any) -> None:
-    if obj is True or obj is False:
-        out += b"\x88" if obj else b"\x89"  # NEWTRUE / NEWFALSE
-    elif isinstance(obj, int):
-        _write_int(out, obj)
-    elif isinstance(obj, (str, bytes)):
-        _write_text(out, obj)
-    elif isinstance(obj, Global):
-        _write_text(out, obj.module)
-        _write_text(out, obj.name)
-        out += b"\x93"  # STACK_GLOBAL
-    elif isinstance(obj, Reduce):
-        _write(out, obj.callable)
-        _write(out, obj.args)
-        out += b"R"  # REDUCE
-    else:
-        _write_container(out, obj)
+class _Writer:
+    """The protocol-4 opcodes of one pickle, with its memo."""
 
+    def __init__(self) -> None:
+        self.out = bytearray(b"\x80\x04")  # PROTO 4
+        self.memo: dict[tuple[type, Any], int] = {}
 
-def _write_container(out: bytearray, obj: Any) -> None:
-    if isinstance(obj, tuple):
-        out += b"("  # MARK
-        for item in obj:
-            _write(out, item)
-        out += b"t"  # TUPLE
-    elif isinstance(obj, list):
-        out += b"]("  # EMPTY_LIST, MARK
-        for item in obj:
-            _write(out, item)
-        out += b"e"  # APPENDS
-    elif isinstance(obj, dict):
-        out += b"}("  # EMPTY_DICT, MARK
-        for key, value in obj.items():
-            _write(out, key)
-            _write(out, value)
-        out += b"u"  # SETITEMS
-    else:
-        raise TypeError(f"cannot pickle {type(obj).__name__} for vLLM's IPC handles")
+    def write(self, obj: Any) -> None:
+        if obj is True or obj is False:
+            self.out += b"\x88" if obj else b"\x89"  # NEWTRUE / NEWFALSE
+        elif isinstance(obj, int):
+            _write_int(self.out, obj)
+        elif isinstance(obj, (str, bytes, Global)):
+            self._once(obj)
+        elif isinstance(obj, Reduce):
+            self.write(obj.callable)
+            self.write(obj.args)
+            self.out += b"R"  # REDUCE
+        else:
+            self._container(obj)
+
+    def _once(self, obj: str | bytes | Global) -> None:
+        """``obj`` from the memo if written before, else written and memoized."""
+        key = (type(obj), obj)
+        at = self.memo.get(key)
+        if at is not None:
+            self.out += b"h" + bytes([at]) if at < 256 else b"j" + struct.pack("<I", at)
+            return  # BINGET / LONG_BINGET
+        if isinstance(obj, Global):
+            _write_text(self.out, obj.module)
+            _write_text(self.out, obj.name)
+            self.out += b"\x93"  # STACK_GLOBAL
+        else:
+            _write_text(self.out, obj)
+        self.out += b"\x94"  # MEMOIZE: the unpickler's next index, as ours
+        self.memo[key] = len(self.memo)
+
+    def _container(self, obj: Any) -> None:
+        if isinstance(obj, tuple):
+            self.out += b"("  # MARK
+            for item in obj:
+                self.write(item)
+            self.out += b"t"  # TUPLE
+        elif isinstance(obj, list):
+            self.out += b"]("  # EMPTY_LIST, MARK
+            for item in obj:
+                self.write(item)
+            self.out += b"e"  # APPENDS
+        elif isinstance(obj, dict):
+            self.out += b"}("  # EMPTY_DICT, MARK
+            for key, value in obj.items():
+                self.write(key)
+                self.write(value)
+            self.out += b"u"  # SETITEMS
+        else:
+            raise TypeError(f"cannot pickle {type(obj).__name__} for vLLM's IPC handles")
 
 
 def _write_int(out: bytearray, n: int) -> None:

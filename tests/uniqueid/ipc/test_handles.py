@@ -97,6 +97,29 @@ def test_pythons_unpickler_reads_the_same_structure_without_torch():
     assert args[5] == "torch.bfloat16" and args[7][:2] == b"\x02c" and len(args[7]) == 66
 
 
+TORCH_READS_MANY = r"""
+import base64, json, pickle, sys, torch
+exports = pickle.loads(base64.b64decode(sys.stdin.read()))
+print(json.dumps({"n": len(exports), "ok": all(
+    list(e) == ["uuid-0"] and e["uuid-0"][0] is torch.Tensor and e["uuid-0"][5] is torch.float16
+    and e["uuid-0"][1] == torch.Size((k + 1,))
+    and e["uuid-0"][7] == b"\x02c" + (k % 300).to_bytes(2, "little") * 32
+    and e["uuid-0"][11] == b"/jax_vllm_1_ab" and e["uuid-0"][12] == k
+    for k, e in enumerate(exports))}))
+"""
+
+
+def test_an_unpacked_payloads_repeats_read_back_as_torch_builds_them():
+    """Hundreds of exports repeating torch's classes, a dtype, a UUID, the
+    counter file and 300 handles, each twice (so the memo's indices pass 255)."""
+    exports = [{"uuid-0": RebuildArgs(shape=(k + 1,), dtype="float16", itemsize=2, device=0,
+                                      handle=(k % 300).to_bytes(2, "little") * 32,
+                                      offset=256 * k,
+                                      counter="/jax_vllm_1_ab", slot=k).to_tuple()}
+               for k in range(600)]
+    assert run(TORCH_READS_MANY, pickled(exports)) == {"n": 600, "ok": True}
+
+
 def test_what_the_arguments_refuse():
     with pytest.raises(ValueError, match="64 bytes"):
         RebuildArgs(shape=(1,), dtype="uint8", itemsize=1, device=0, handle=b"x", offset=0,
