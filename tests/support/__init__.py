@@ -31,6 +31,20 @@ def child(module: str, *args: str, env: dict[str, str]) -> tuple[list[str], dict
     return [sys.executable, "-m", f"support.{module}", *args], on_tests_path(env)
 
 
+def closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the server closed ``sock`` (EOF or a reset) within ``timeout``;
+    what it sent before is read and dropped."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 20):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def nothing_listens(host: str, port: int) -> bool:
     """Whether a connection to ``host:port`` is refused (a listener that is
     closing may still reset one: not yet)."""

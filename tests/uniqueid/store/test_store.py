@@ -25,6 +25,7 @@ from uniqueid.store.wire import (
     parse_request,
 )
 
+from support import closed_by_peer
 from support.vllm_children import wait_until
 
 MARGIN = 3.0  # a loaded 2-core machine's scheduling, on top of a deadline
@@ -58,19 +59,6 @@ def recv_exact(sock, n):
         assert chunk, "closed"
         out += chunk
     return out
-
-
-def closed_by_peer(sock, timeout=10.0):
-    """Whether the server closed ``sock`` (EOF or a reset) within ``timeout``."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def client(server, **kw):

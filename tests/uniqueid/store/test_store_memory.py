@@ -15,6 +15,7 @@ import pytest
 from nccl_cffi.waiting import Deadline
 from uniqueid.store.wire import JOIN_KEY, MAGIC, Query, Request, WaitAnswer, blob, encode_request
 
+from support import closed_by_peer
 from support.vllm_children import Child, wait_until
 
 MiB = 2**20
@@ -77,18 +78,6 @@ def recv_exact(sock, n):
         assert chunk, "closed"
         out += chunk
     return bytes(out)
-
-
-def closed_by_peer(sock, timeout=10.0):
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(MiB):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_answers_are_sent_from_the_stored_values_not_built_in_memory(store_host):
