@@ -207,10 +207,11 @@ class IPCSender:
                 f"needs {need} IPC exports, more than the {SLOTS} a ref-counter file holds: "
                 "connect with SendConfig(packed=True)")
         stager = self.session.broadcaster
-        if not plan.rounds or isinstance(stager, Stager) and stager.fits(plan.rounds[0].sizes):
+        stager = stager if isinstance(stager, Stager) else None  # None: no push staged yet
+        if not plan.rounds or stager and stager.fits(plan.rounds[0].sizes):
             return  # the allocations held now are reused: nothing to ask the driver
         # Allocations that do not fit are all freed before the new ones are made.
-        held = stager.held_bytes() if isinstance(stager, Stager) else 0
+        held = stager.held_bytes() if stager else 0
         _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, held)
 
     def _prepared(self, plan: _Plan, sources: Sources) -> PreparedPush:

@@ -128,10 +128,14 @@ def layout(metas: Sequence[TensorMeta]) -> Placed:
     offsets, pieces, sizes, small = [], [], [], -1  # small: the allocation small ones fill
     for m in metas:
         size = -(-m.nbytes // ALIGN) * ALIGN
-        if m.nbytes >= SMALL or small < 0 or sizes[small] + size > SMALL_PIECE:
+        if m.nbytes >= SMALL:
+            k = len(sizes)
             sizes.append(0)
-            small = len(sizes) - 1 if m.nbytes < SMALL else small
-        k = small if m.nbytes < SMALL else len(sizes) - 1
+        else:
+            if small < 0 or sizes[small] + size > SMALL_PIECE:
+                small = len(sizes)
+                sizes.append(0)
+            k = small
         offsets.append(sizes[k])
         pieces.append(k)
         sizes[k] += size
