@@ -66,9 +66,16 @@ class Staged:
     def __call__(self, stager: Stager, timeout: float, check: Check) -> Any:
         if self.first:
             stager.begin(self.placed.sizes, timeout, check)
-        stager.stage(self.metas, self.placed, self.get, timeout, check)
-        exports = stager.exports(self.metas, self.placed, self.packed)
-        return update_of(self.metas, self.placed.chunk, exports, packed=self.packed)
+        stager.copy(self.metas, self.placed, self.get)
+        kept = stager.exported
+        try:  # the handles are encoded while the GPU copies
+            exports = stager.exports(self.metas, self.placed, self.packed)
+            update = update_of(self.metas, self.placed.chunk, exports, packed=self.packed)
+            stager.sync(timeout, check)
+        except BaseException:
+            stager.withdraw(kept)
+            raise
+        return update
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,11 @@ trainer GPU a worker is on, and the copies into them.
 
 JAX's own buffers cannot be exported (``nccl_cffi.ipc``), so each tensor
 is copied once, device to device, into a buffer of this package's
-(``Stager``), on the GPU the reading worker is on. Then the host waits for
-the copies (no IPC event: torch's receiver would open one per import and
-never close it) and the update is posted with the handles.
+(``Stager``), on the GPU the reading worker is on. While the GPU copies,
+the host encodes the update's handles; then it waits for the copies (no
+IPC event: torch's receiver would open one per import and never close it)
+and the update is posted. A round whose copies fail takes its exports back
+(``withdraw``): no worker saw them.
 
 * **Packed**: one buffer per GPU, sized for the largest chunk
   (``chunks``: a chunk ends before the tensor that would overflow the
@@ -159,6 +161,8 @@ class Stager:
         self.buffers: dict[int, list[Any]] = {}  # ordinal -> its exported allocations
         self._slots: list[int] = []  # every export since the last push began
         self._whole: Exports | None = None  # packed: this push's exports of the buffers
+        self._kept: list[jax.Array] = []  # what the copies in flight read
+        self._copying = 0.0
         self.started = 0.0
         self.host_s = 0.0
         self.link_s = 0.0
@@ -207,34 +211,62 @@ class Stager:
                 buffer.free()
         self.buffers = {}
 
-    def stage(self, metas: Sequence[TensorMeta], placed: Placed, get: Get, timeout: float,
-              check: Check) -> None:
-        """Copy the round's tensors into every GPU's allocations and wait for the copies.
+    def copy(self, metas: Sequence[TensorMeta], placed: Placed, get: Get) -> None:
+        """Start copying the round's tensors into every GPU's allocations
+        (``sync`` waits for them; the host meanwhile encodes the update).
 
         Args:
             metas: the push's tensors (wire order).
             placed: which, and where.
             get: tensor ``i`` on a device, computed.
-            timeout: each wait's deadline.
+        """
+        self._copying = time.perf_counter()
+        self.started = self.started or self._copying
+        memory, chunk = self.plane.memory, placed.chunk
+        for ordinal, device in self.devices.items():
+            held = self.buffers[ordinal]
+            for i, k, offset in zip(range(chunk.start, chunk.stop), placed.pieces, chunk.offsets):
+                if metas[i].nbytes:
+                    self._kept.append(get(i, device))  # alive until its copy is done
+                    memory.copy(ordinal, held[k].ptr + offset,
+                                int(self._kept[-1].unsafe_buffer_pointer()), metas[i].nbytes)
+        self.link_bytes = chunk.nbytes * len(self.devices)
+
+    def sync(self, timeout: float, check: Check) -> None:
+        """Wait for the copies ``copy`` started.
+
+        Args:
+            timeout: each GPU's deadline.
             check: polled while waiting.
 
         Raises:
             TimeoutError: the copies did not end within ``timeout``.
         """
-        t0 = time.perf_counter()
-        self.started = self.started or t0
-        memory, kept, chunk = self.plane.memory, [], placed.chunk
-        for ordinal, device in self.devices.items():
-            held = self.buffers[ordinal]
-            for i, k, offset in zip(range(chunk.start, chunk.stop), placed.pieces, chunk.offsets):
-                if metas[i].nbytes:
-                    kept.append(get(i, device))  # alive until its copy is done
-                    memory.copy(ordinal, held[k].ptr + offset,
-                                int(kept[-1].unsafe_buffer_pointer()), metas[i].nbytes)
-        for ordinal in self.devices:
-            memory.sync(ordinal, timeout, check)
-        self.host_s = time.perf_counter() - t0
-        self.link_bytes = chunk.nbytes * len(self.devices)
+        try:
+            for ordinal in self.devices:
+                self.plane.memory.sync(ordinal, timeout, check)
+        finally:
+            self._kept.clear()
+        self.host_s = time.perf_counter() - self._copying
+
+    def withdraw(self, since: int) -> None:
+        """Take back the exports made after the first ``since`` of this push
+        (an update that was never posted: no worker will release them).
+
+        Args:
+            since: how many of the push's exports to keep.
+        """
+        fresh = self._slots[since:]
+        if fresh:
+            del self._slots[since:]
+            self.plane.counters.drop(fresh)
+            if not since:
+                self._whole = None  # packed: the buffer's exports were this round's
+
+    @property
+    def exported(self) -> int:
+        """How many exports this push made so far (for ``withdraw``)."""
+        return len(self._slots)
 
     def exports(self, metas: Sequence[TensorMeta], placed: Placed, packed: bool) -> Exports:
         """Every worker's exports for the round, each on a slot of its own:

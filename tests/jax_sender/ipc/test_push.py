@@ -275,6 +275,44 @@ def test_an_allocation_failing_midway_leaves_nothing_held_and_the_next_push_is_e
     assert memory.alive() == []
 
 
+class StuckSync(FabricMemory):
+    """The wait for the copies numbered in ``stuck`` (from 1) overruns its
+    deadline, as a GPU busy past ``send_timeout_s`` makes it."""
+
+    def __init__(self, *stuck: int):
+        super().__init__()
+        self.stuck = stuck
+
+    def sync(self, device: int, timeout, check=None) -> None:
+        super().sync(device, timeout, check)
+        if self.syncs in self.stuck:
+            raise TimeoutError(f"the copies on GPU {device} did not end within {timeout}s")
+
+
+@pytest.mark.parametrize("packed, stuck", [(True, 1), (True, 2), (False, 1)])
+def test_copies_past_their_deadline_end_the_push_and_its_exports_are_taken_back(
+        server, packed, stuck):
+    """The handles are encoded while the copies run: when the copies then
+    fail, the round's exports (never posted) are taken back, so the next
+    push neither waits for a release that cannot come nor loses a slot."""
+    url, _ = server
+    memory = StuckSync(stuck)
+    params = {"late.w": jnp.arange(1200.0), "late.v": jnp.arange(900.0) - 1}
+    with sender_on(url, memory, packed=packed, buffer_size_bytes=4096, send_timeout_s=5) as sender:
+        with pytest.raises(SendError, match="did not end within") as caught:
+            sender.send(params)
+        counters = sender.session.connection.comm.counters
+        assert counters.held(range(10_000)) == []  # nothing left counted
+        free = len(counters._free) + len(counters._taken)
+        sender.send(params)  # not held up by the failed round's exports
+        assert holds(sender, params)
+        released(sender)
+        counters.settle()
+        assert len(counters._free) == free == 10_000
+    assert ("weights were sent" in str(caught.value)) == (stuck == 1)
+    assert memory.alive() == []
+
+
 def test_the_free_memory_check_counts_what_the_staging_holds_now(server):
     """A push that reallocates smaller gives memory back; a later larger
     one is checked against what is free then, before any request."""
