@@ -31,6 +31,7 @@ from ..errors import RendezvousError
 from ..http.client import VLLMClient, VLLMHTTPError
 from ..rendezvous import check_engines, close_connection, release, seconds_left, world_sizes
 from .counters import CountersHeld, RefCounters
+from .group import GroupLink, ProbeTarget, answer, failure, hello, ranks_of, strict_idle, targets
 from .handles import RebuildArgs, pickled
 from .wire import IPCInitInfo, IPCUpdateInfo
 
@@ -188,13 +189,14 @@ def _pickles_refused(client: VLLMClient) -> RendezvousError:
         f"every update: start it with {_NO_PICKLES}=1 ({UNSAFE})")
 
 
-def connect_ipc(client: VLLMClient, *, devices: Sequence[int], packed: bool, memory: Memory,
-                timeout: float, owns_client: bool = False,
-                strict_devices: bool = False) -> IPCConnection:
-    """Join an ``ipc`` server whose workers share this process's GPUs.
+def connect_ipc(client: VLLMClient | None, *, devices: Sequence[int], packed: bool,
+                memory: Memory, timeout: float, owns_client: bool = False,
+                strict_devices: bool = False, group: GroupLink | None = None) -> IPCConnection:
+    """Join an ``ipc`` server whose workers share this process's GPUs
+    (with ``group``, those of every process of the group: ``group.py``).
 
     Args:
-        client: the server.
+        client: the server (None on a group's processes other than 0).
         devices: the trainer's CUDA ordinals it may export from.
         packed: the connection's packing (sent at init).
         memory: the GPU's side (``nccl_cffi.ipc.CudaIPC()``).
@@ -202,28 +204,35 @@ def connect_ipc(client: VLLMClient, *, devices: Sequence[int], packed: bool, mem
         owns_client: close the client when the connection closes.
         strict_devices: a device of ``devices`` no worker is on is refused
             (False: it is left out).
+        group: this process's link to the others pushing with it.
 
     Returns:
         The connection.
 
     Raises:
         RendezvousError: the server cannot take this push (in one sentence,
-            see the module docstring); it is left released.
+            see the module docstring), or the group did not form; the
+            server is left released.
         ServerStuck: its engine does not answer.
     """
     deadline = Deadline(timeout)
-    check_ipc_server(client, deadline)
-    workers = world_sizes([client], None, deadline)[0]
-    check_engines([client], deadline)
     uuids = {d: memory.uuid(d) for d in devices}
+    if group is not None and group.process:
+        return _member(group, uuids, packed=packed, memory=memory, deadline=deadline,
+                       strict=strict_devices)
+    workers, others = _checked(client, group, packed, deadline)
     plane = IPCPlane(memory, RefCounters())
     try:
-        ranks = _probe(client, workers, uuids, plane, deadline)
-        hosting = _hosting(client, uuids, ranks, strict_devices)
+        ranks = _probe(client, workers, uuids, plane, deadline, others)
+        hosting = _hosting(client, uuids, ranks, strict_devices, others)
         if not packed:
             client.init_weight_transfer_engine(IPCInitInfo(packed=False).to_payload(),
                                                timeout=seconds_left(deadline, CONNECT))
-    except BaseException:
+        if group is not None:
+            group.tell("ranks", answer(ranks), deadline)
+    except BaseException as e:
+        if group is not None:
+            group.fail(failure(e))
         _leave(client, deadline)
         plane.destroy()
         raise
@@ -231,14 +240,55 @@ def connect_ipc(client: VLLMClient, *, devices: Sequence[int], packed: bool, mem
                          ranks=ranks, uuids=hosting, owns_clients=owns_client)
 
 
+def _checked(client: VLLMClient, group: GroupLink | None, packed: bool,
+             deadline: Deadline) -> tuple[int, list[ProbeTarget]]:
+    """The server's checks (``check_ipc_server``, its workers, its engine)
+    and a group's other processes' GPUs; a failure is told to them."""
+    try:
+        check_ipc_server(client, deadline)
+        workers = world_sizes([client], None, deadline)[0]
+        check_engines([client], deadline)
+        return workers, targets(group.hear("hello", deadline), packed) if group else []
+    except BaseException as e:
+        if group is not None:
+            group.fail(failure(e))
+        raise
+
+
+def _member(group: GroupLink, uuids: dict[int, str], *, packed: bool, memory: Memory,
+            deadline: Deadline, strict: bool) -> IPCConnection:
+    """A process other than 0 joins: its GPUs and a probe buffer on each to
+    process 0, which answers with each worker rank's GPU once the probe
+    went through (every worker that mapped a buffer released it)."""
+    buffers: dict[int, Any] = {}
+    try:
+        buffers = {d: memory.export(d, PROBE_BYTES) for d in uuids}
+        group.send("hello", hello(uuids, {d: b.handle for d, b in buffers.items()},
+                                  packed=packed, strict=strict), deadline)
+        ranks = ranks_of(group.receive("ranks", deadline))
+    except BaseException:
+        memory.close()
+        raise
+    finally:
+        for buffer in buffers.values():
+            buffer.free()
+    return IPCConnection(comm=IPCPlane(memory, RefCounters()), clients=[],
+                         init_info=IPCInitInfo(packed=packed), ranks=ranks,
+                         uuids={d: u for d, u in uuids.items() if u in ranks})
+
+
 def _probe(client: VLLMClient, workers: int, uuids: dict[int, str], plane: IPCPlane,
-           deadline: Deadline) -> list[str]:
-    """The empty update (see the module docstring); each global rank's GPU UUID."""
+           deadline: Deadline, others: Sequence[ProbeTarget] = ()) -> list[str]:
+    """The empty update (see the module docstring), over this process's
+    GPUs and ``others`` (a group's other processes' buffers); each global
+    rank's GPU UUID."""
     buffers = {d: plane.memory.export(d, PROBE_BYTES) for d in uuids}
-    slots = plane.counters.take(workers * len(uuids))
-    per_rank = [dict(zip(uuids, slots[r * len(uuids):(r + 1) * len(uuids)]))
+    gpus = [(u, d, buffers[d].handle) for d, u in uuids.items()]
+    gpus += [(t.uuid, t.device, t.handle) for t in others]
+    slots = plane.counters.take(workers * len(gpus))
+    per_rank = [{u: slots[r * len(gpus) + i] for i, (u, _, _) in enumerate(gpus)}
                 for r in range(workers)]
-    payloads = [_probe_payload(buffers, uuids, mine, plane.counters.name) for mine in per_rank]
+    payloads = [_probe_payload(gpus, mine, plane.counters.name) for mine in per_rank]
     try:
         release(client, deadline)  # a session a trainer left open (killed mid-push) is finished
         client.init_weight_transfer_engine(IPCInitInfo(packed=True).to_payload(),
@@ -247,34 +297,33 @@ def _probe(client: VLLMClient, workers: int, uuids: dict[int, str], plane: IPCPl
         try:
             client.update_weights(payloads, timeout=seconds_left(deadline, CONNECT))
         except VLLMHTTPError as e:
-            raise _refused(client, e, list(uuids.values())) from None
+            raise _refused(client, e, [u for u, _, _ in gpus]) from None
         client.finish_weight_update(timeout=seconds_left(deadline, CONNECT))
-        ranks = _mapped(plane.counters, per_rank, uuids, deadline, client)
+        ranks = _mapped(plane.counters, per_rank, deadline, client)
     except BaseException:  # a worker may still map them: freed once released
         for d, buffer in buffers.items():
-            plane.retire(buffer, [mine[d] for mine in per_rank])
+            plane.retire(buffer, [mine[uuids[d]] for mine in per_rank])
         raise
     for buffer in buffers.values():
         buffer.free()
     return ranks
 
 
-def _probe_payload(buffers: dict[int, Any], uuids: dict[int, str], mine: dict[int, int],
+def _probe_payload(gpus: Sequence[tuple[str, int, bytes]], mine: dict[str, int],
                    counter: str) -> dict[str, Any]:
-    handles = {uuids[d]: RebuildArgs(shape=(PROBE_BYTES,), dtype="uint8", itemsize=1, device=d,
-                                     handle=buffers[d].handle, offset=0, counter=counter,
-                                     slot=mine[d]).to_tuple()
-               for d in uuids}
+    handles = {u: RebuildArgs(shape=(PROBE_BYTES,), dtype="uint8", itemsize=1, device=d,
+                              handle=handle, offset=0, counter=counter, slot=mine[u]).to_tuple()
+               for u, d, handle in gpus}
     return IPCUpdateInfo(names=[], dtype_names=[], shapes=[], tensor_sizes=[],
                          ipc_handles_pickled=pickled(handles)).to_payload()
 
 
-def _mapped(counters: RefCounters, per_rank: list[dict[int, int]], uuids: dict[int, str],
-            deadline: Deadline, client: VLLMClient) -> list[str]:
+def _mapped(counters: RefCounters, per_rank: list[dict[str, int]], deadline: Deadline,
+            client: VLLMClient) -> list[str]:
     """Each rank's GPU: the one slot of its own it released (polled: a
     release may lag the answer); the rest (GPUs it is not on) withdrawn."""
-    def released(mine: dict[int, int]) -> list[int]:
-        return [d for d, slot in mine.items() if counters.value(slot) <= 0]
+    def released(mine: dict[str, int]) -> list[str]:
+        return [u for u, slot in mine.items() if counters.value(slot) <= 0]
 
     try:
         poll_until(lambda: all(released(mine) for mine in per_rank), deadline.left(),
@@ -283,19 +332,21 @@ def _mapped(counters: RefCounters, per_rank: list[dict[int, int]], uuids: dict[i
                        f"released it through the ref-counter file /dev/shm{counters.name}: "
                        "trainer and server must share /dev/shm and run as the same user (in "
                        "containers: --ipc=host)"))
-        return [uuids[released(mine)[0]] for mine in per_rank]
+        return [released(mine)[0] for mine in per_rank]
     finally:
         counters.drop(s for mine in per_rank for s in mine.values())
 
 
-def _hosting(client: VLLMClient, uuids: dict[int, str], ranks: list[str],
-             strict: bool) -> dict[int, str]:
-    """The trainer's devices a worker is on; with ``strict``, every one must be."""
+def _hosting(client: VLLMClient, uuids: dict[int, str], ranks: list[str], strict: bool,
+             others: Sequence[ProbeTarget] = ()) -> dict[int, str]:
+    """The trainer's devices a worker is on; with ``strict``, every one must
+    be (and every device of a group's process that named its own)."""
     idle = [d for d, u in uuids.items() if u not in ranks]
-    if idle and strict:
+    named = ", ".join([f"trainer GPU {d} ({uuids[d]})" for d in idle] if strict else [])
+    named = ", ".join(x for x in (named, strict_idle(others, ranks)) if x)
+    if named:
         raise RendezvousError(
-            f"no worker of {client.base_url} is on trainer GPU "
-            f"{', '.join(f'{d} ({uuids[d]})' for d in idle)}; its workers are on "
+            f"no worker of {client.base_url} is on {named}; its workers are on "
             f"{sorted(set(ranks))}: pass only the GPUs the server shares (devices=)")
     return {d: u for d, u in uuids.items() if u in ranks}
 

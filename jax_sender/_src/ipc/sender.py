@@ -19,9 +19,11 @@ every sender's.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +32,15 @@ import jax
 from nccl_cffi import CudaError, cuda
 from nccl_cffi.dtypes import NCCL_TYPES
 from nccl_cffi.ipc import CudaIPC, exported_bytes
-from nccl_cffi.waiting import Check
+from nccl_cffi.waiting import Check, Deadline
+from uniqueid import RendezvousError
 from uniqueid.ipc.counters import SLOTS
+from uniqueid.ipc.group import GroupFailed, GroupLink, encoded, failure, merged, open_link
 from uniqueid.ipc.join import IPCConnection, Memory
 
 from ..core import senders
 from ..core.config import SendConfig
-from ..core.errors import MetadataError, TransferError
+from ..core.errors import MetadataError, SendError, TransferError
 from ..core.push import PreparedPush, Round
 from ..core.routes import jax_device, sender_device
 from ..core.senders import Servers, VerifyResult, check_push
@@ -55,27 +59,59 @@ log = logging.getLogger("jax_sender")
 @dataclass(frozen=True, kw_only=True)
 class Staged:
     """One round of an IPC push, on the lane: stage the chunk in every
-    buffer, then give the update that names it (``Round.staged``)."""
+    buffer, then give the update that names it (``Round.staged``). In a
+    group, process 0 first lets the others write their buffers (``go``),
+    then merges their exports into its update; the others send theirs and
+    give no update (they post none)."""
 
     metas: Sequence[TensorMeta]
     placed: Placed
     get: Get
     packed: bool
     first: bool  # the push's first round: the allocations are made ready
+    index: int = 0  # the round's place in the push
+    group: GroupLink | None = None
+    push: int = 0  # the group's count of this push
+    digest: str = ""  # the push's tensors and chunks, which every process must share
 
     def __call__(self, stager: Stager, timeout: float, check: Check) -> Any:
+        link = self.group
+        if link is not None:
+            _in_group(lambda: link.tell(f"go{self.index}", b"", Deadline(timeout), self.push)
+                      if not link.process else
+                      link.receive(f"go{self.index}", Deadline(timeout), self.push))
         if self.first:
             stager.begin(self.placed.sizes, timeout, check)
         stager.copy(self.metas, self.placed, self.get)
         kept = stager.exported
         try:  # the handles are encoded while the GPU copies
             exports = stager.exports(self.metas, self.placed, self.packed)
+            if link is not None and link.process:
+                stager.sync(timeout, check)
+                _in_group(lambda: link.send(f"x{self.index}", encoded(exports, self.digest),
+                                            Deadline(timeout), self.push))
+                return None
+            if link is not None:
+                exports = merged(exports, _in_group(lambda: link.hear(
+                    f"x{self.index}", Deadline(timeout), self.push)), self.digest)
             update = update_of(self.metas, self.placed.chunk, exports, packed=self.packed)
             stager.sync(timeout, check)
         except BaseException:
             stager.withdraw(kept)
             raise
+        if link is not None:
+            link.posted = self.index + 1
         return update
+
+
+def _in_group(call: Callable[[], Any]) -> Any:
+    """``call()`` on the group's store; a failure there (another process
+    failed or is late, the store is gone) is this push's to wind down, not
+    a reason to give the connection up."""
+    try:
+        return call()
+    except RendezvousError as e:
+        raise TransferError(str(e)) from e
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +123,7 @@ class _Plan:
     wire: list[TensorMeta]  # ``metas`` in that order
     rounds: list[Placed]
     nbytes: int  # what each GPU's allocations hold together
+    digest: str  # the tensors and chunks, for a group's processes to compare
 
 
 class IPCSender:
@@ -106,6 +143,8 @@ class IPCSender:
         self.device = next(iter(devices.values()))
         self._descriptions = Descriptions(mapping, self.device, None)
         self._plan: _Plan | None = None
+        self._bound_s = 0.0  # the last push's bound (a group's end waits that long)
+        self._rounds_before = 0  # a group's last push's rounds (process 0 sweeps their keys)
 
     @classmethod
     def connect(cls, server: Servers, *, devices: Sequence[int] | None = None,
@@ -145,6 +184,54 @@ class IPCSender:
         return open_ipc_sender(senders.one_server(server, "an IPC sender"), jax_devs, mapping=mapping,
                                config=config, memory=memory, strict_devices=devices is not None)
 
+    @classmethod
+    def connect_group(cls, server: Servers | None, *, store: str, process: int | None = None,
+                      processes: int | None = None, devices: Sequence[int] | None = None,
+                      mapping: Mapping = Mapping(), config: SendConfig = SendConfig(),
+                      memory: Memory | None = None) -> IPCSender:
+        """Several trainer processes on one node (one per GPU, say) push to one
+        colocated ``ipc`` server together, as vLLM's torch trainer ranks do:
+        each exports from its own GPUs, and process 0 posts every update
+        with all the handles (``uniqueid.ipc.group``). Every process calls
+        this together, then ``send()`` (blocking, with the same tree, as
+        often), ``reconnect()`` and ``close()`` together.
+
+        Args:
+            server: the server's URL or client, read on process 0 (None elsewhere).
+            store: ``host:port`` process 0 listens on for the group's
+                exchange, the others reach (``"127.0.0.1:29600"``).
+            process: this process's index (default ``jax.process_index()``).
+            processes: how many push together (default ``jax.process_count()``).
+            devices, mapping, config, memory: as ``connect``; every process
+                packs alike.
+
+        Returns:
+            This process's sender.
+
+        Raises:
+            TransferError: as ``connect``.
+            ValueError: a malformed ``store``, or fewer than 2 processes.
+            RendezvousError: as ``connect``, or the group did not form (a
+                process named, or ``RendezvousTimeout``: not every process
+                called this in time); ``StoreError``: process 0 cannot
+                listen on ``store``.
+        """
+        jax_devs = usable_gpus(devices)
+        process = jax.process_index() if process is None else process
+        processes = jax.process_count() if processes is None else processes
+        memory = memory or CudaIPC()
+        if config.packed:
+            _check_room(memory, list(jax_devs), exported_bytes(config.buffer_size_bytes), 0)
+        clients = senders.one_server(server, "an IPC sender") if process == 0 else []
+        try:
+            link = open_link(store, process, processes, Deadline(config.init_timeout_s))
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+        return open_ipc_sender(clients, jax_devs, mapping=mapping, config=config, memory=memory,
+                               strict_devices=devices is not None, link=link)
+
     # -- the push ------------------------------------------------------------
     def send(self, params: Any, *, weight_version: str | None = None, pause: str | None = None,
              wait: bool = True) -> SendStats | PendingSend:
@@ -172,19 +259,70 @@ class IPCSender:
         """
         t0 = time.perf_counter()
         check_push(weight_version, pause, None)
+        if not wait and not self.session.route.alone:
+            raise TransferError("send(wait=False) needs a single-process sender (connect): "
+                                "a group's processes stage every round in step")
         return self.session.in_turn(functools.partial(
             self._push, params, weight_version=weight_version, pause=pause, wait=wait, t0=t0))
 
     def _push(self, params: Any, ticket: Ticket, *, weight_version: str | None,
               pause: str | None, wait: bool, t0: float) -> SendStats | PendingSend:
-        """``send`` in the caller's turn: describe, plan, check the room, run."""
+        """``send`` in the caller's turn: describe, plan, check the room, run;
+        in a group, then the outcome between the processes."""
+        link: GroupLink | None = self.session.route.link
+        if link is None:
+            return self._run(params, ticket, weight_version=weight_version, pause=pause,
+                             wait=wait, t0=t0)
+        n = link.push = link.push + 1
+        link.posted = 0
+        try:
+            stats = self._run(params, ticket, weight_version=weight_version, pause=pause,
+                              wait=True, t0=t0, push=n)
+            if link.process:
+                link.ended(n, Deadline(self._bound_s))
+        except BaseException as e:
+            self._unposted(e)
+            link.fail(failure(e), push=n)
+            if isinstance(e, GroupFailed):
+                raise SendError(f"weight push failed on trainer process 0, which posts the "
+                                f"updates: {e}") from e
+            raise
+        finally:
+            if not link.process:
+                self._sweep(link, n)
+        if not link.process:
+            link.tell("stop", b"", Deadline(5.0), push=n)  # the push landed
+        return stats
+
+    def _unposted(self, e: BaseException) -> None:
+        """A process other than 0 takes back the exports process 0 never
+        posted (it said how many rounds it did), so its next push waits
+        for no release that cannot come."""
+        while e is not None and not isinstance(e, GroupFailed):
+            e = e.__cause__
+        stager = self.session.broadcaster
+        if e is not None and e.posted is not None and isinstance(stager, Stager):
+            stager.withdraw_unposted(e.posted)
+
+    def _sweep(self, link: GroupLink, n: int) -> None:
+        """Process 0: delete the keys push ``n`` and the one before may have
+        left unread (a process that failed reads no further)."""
+        rounds = len(self._plan.rounds) if self._plan else 0
+        link.sweep(["quit", *(f"x{k}" for k in range(rounds))], push=n)
+        link.sweep(["stop", *(f"go{k}" for k in range(self._rounds_before))], push=n - 1)
+        self._rounds_before = rounds
+
+    def _run(self, params: Any, ticket: Ticket, *, weight_version: str | None,
+             pause: str | None, wait: bool, t0: float, push: int = 0) -> SendStats | PendingSend:
+        """This process's push: describe, plan, check the room, run."""
         metas, sources = self._descriptions.of(params)
         plan = self._planned(metas)
         self._check(plan)
         copies = None if wait or not on_device(sources, self.device) else copied(
             sources, range(len(sources)), self.device)
-        push = self._prepared(plan, sources if copies is None else copies)
+        push = self._prepared(plan, sources if copies is None else copies, n=push)
         push.weight_version, push.pause = weight_version, pause
+        self._bound_s = push.bound_s
         push.stats.prepare_s = time.perf_counter() - t0
         return self.session.run(ticket, push, background=copies is not None, t0=t0)
 
@@ -200,7 +338,11 @@ class IPCSender:
         else:
             cut = [layout(wire)]
         nbytes = sum(exported_bytes(n) for n in cut[0].sizes) if cut else 0
-        self._plan = _Plan(metas=metas, order=order, wire=wire, rounds=cut, nbytes=nbytes)
+        digest = hashlib.sha256(json.dumps(
+            [[(m.name, list(m.shape), m.dtype) for m in wire],
+             [(p.chunk.start, p.chunk.stop) for p in cut]]).encode()).hexdigest()
+        self._plan = _Plan(metas=metas, order=order, wire=wire, rounds=cut, nbytes=nbytes,
+                           digest=digest)
         return self._plan
 
     def _check(self, plan: _Plan) -> None:
@@ -221,13 +363,15 @@ class IPCSender:
         held = stager.held_bytes() if stager else 0
         _check_room(conn.comm.memory, list(conn.uuids), plan.nbytes, held)
 
-    def _prepared(self, plan: _Plan, sources: Sources) -> PreparedPush:
-        """The push's rounds (one per chunk), figures and deadlines."""
+    def _prepared(self, plan: _Plan, sources: Sources, n: int) -> PreparedPush:
+        """The push's rounds (one per chunk), figures and deadlines (``n``:
+        the group's count of it)."""
         config, packed = self.session.config, self.session.info.packed
         get = self._getter(plan, sources)
         rounds = [Round(update={}, root=0, parts=[], staged=True,
                         feed=Staged(metas=plan.wire, placed=p, get=get, packed=packed,
-                                    first=k == 0))
+                                    first=k == 0, index=k, group=self.session.route.link,
+                                    push=n, digest=plan.digest))
                   for k, p in enumerate(plan.rounds)]
         nbytes = sum(m.nbytes for m in plan.wire)
         largest = max((p.chunk.nbytes for p in plan.rounds), default=0)
@@ -262,6 +406,10 @@ class IPCSender:
             MetadataError, SenderClosed, SendError, RendezvousError: as
                 ``WeightSender.verify``.
         """
+        if not self.session.clients:
+            raise MetadataError("verify() asks the server, which only process 0 of an IPC "
+                                "group talks to: call it there")
+
         def checked(_: Ticket) -> tuple[dict[str, str], dict[str, bool]]:
             metas, sources = describe(params, self.mapping)
             get = Placement(mapping=self.mapping, device=self.device,
@@ -272,11 +420,17 @@ class IPCSender:
         return senders.verdict(list(want), seen)
 
     # -- lifetime: the session's (``core.senders``), one server ---------------
+    def close(self) -> None:
+        """Let a push in flight end, release the server and free everything
+        (``Session.close``); then close a group's store. Calling it again
+        does nothing."""
+        self.session.close()
+        self.session.route.close()
+
     config = property(senders.config)
     broken = property(senders.broken)
     servers = property(senders.servers)
     reconnect = senders.reconnect
-    close = senders.close
     __enter__ = senders.enter
     __exit__ = senders.exit_
 
@@ -332,29 +486,34 @@ def _sized(nbytes: int) -> str:
 
 
 def open_ipc_sender(clients: list[Any], devices: dict[int, jax.Device], *, mapping: Mapping,
-                    config: SendConfig, memory: Memory, strict_devices: bool) -> IPCSender:
+                    config: SendConfig, memory: Memory, strict_devices: bool,
+                    link: GroupLink | None = None) -> IPCSender:
     """Join the server (``IPCRoute.form``, within ``config.init_timeout_s``)
     and hold it in a session whose rounds stage through ``memory``; the
-    client is closed if that fails. ``connect`` after its checks (tests
-    give CPU devices and a stand-in ``memory``).
+    client and the group's store are closed if that fails. ``connect`` and
+    ``connect_group`` after their checks (tests give CPU devices and a
+    stand-in ``memory``).
 
     Args:
-        clients: the server's client, alone.
+        clients: the server's client, alone (none on a group's processes but 0).
         devices: per CUDA ordinal this process may export from, JAX's device.
         mapping: names and transforms.
         config: every setting.
         memory: the GPU's side.
         strict_devices: refuse a device no worker is on.
+        link: this process's link to a group (None: alone).
 
     Returns:
         The sender.
     """
     route = IPCRoute(clients=clients, devices=list(devices), config=config, memory=memory,
-                     strict_devices=strict_devices)
+                     strict_devices=strict_devices, link=link)
     try:
         conn = route.form(config.init_timeout_s)
     except BaseException:
-        clients[0].close()
+        for client in clients:
+            client.close()
+        route.close()
         raise
     session = Session(route, conn, config, broadcaster=lambda c: Stager(
         c, {o: devices[o] for o in c.uuids}))

@@ -162,6 +162,7 @@ class Stager:
         self._slots: list[int] = []  # every export since the last push began
         self._whole: Exports | None = None  # packed: this push's exports of the buffers
         self._kept: list[jax.Array] = []  # what the copies in flight read
+        self.marks: list[int] = []  # per round of this push, the exports made before it
         self._copying = 0.0
         self.started = 0.0
         self.host_s = 0.0
@@ -188,7 +189,7 @@ class Stager:
         """
         self.plane.counters.wait(self._slots, timeout, "the last push's staging buffer",
                                  check=check)
-        self._slots, self._whole, self.started = [], None, 0.0
+        self._slots, self._whole, self.started, self.marks = [], None, 0.0, []
         if not self.fits(sizes):
             self._free()  # the old ones go before the new ones are asked for
             try:
@@ -263,6 +264,16 @@ class Stager:
             if not since:
                 self._whole = None  # packed: the buffer's exports were this round's
 
+    def withdraw_unposted(self, posted: int) -> None:
+        """Take back the exports of this push's rounds from ``posted`` on (a
+        group's process 0 posted only the rounds before).
+
+        Args:
+            posted: how many rounds were posted.
+        """
+        if posted < len(self.marks):
+            self.withdraw(self.marks[posted])
+
     @property
     def exported(self) -> int:
         """How many exports this push made so far (for ``withdraw``)."""
@@ -281,14 +292,16 @@ class Stager:
         Returns:
             Per worker rank, its GPU's UUID and its exports.
         """
+        self.marks.append(len(self._slots))
         if packed and self._whole is not None:
             return self._whole
         by_uuid = {u: o for o, u in self.conn.uuids.items()}
-        ranks = self.conn.ranks
+        ranks = self.conn.ranks  # in a group, some on other processes' GPUs: theirs to export
         chunk = placed.chunk
         per = 1 if packed else sum(1 for m in metas[chunk.start:chunk.stop] if m.nbytes)
-        slots = iter(self.plane.counters.take(per * len(ranks)))
-        out = [{u: self._args(metas, placed, by_uuid[u], packed, slots)} for u in ranks]
+        slots = iter(self.plane.counters.take(per * sum(u in by_uuid for u in ranks)))
+        out = [{u: self._args(metas, placed, by_uuid[u], packed, slots)} if u in by_uuid else {}
+               for u in ranks]
         if packed:
             self._whole = out
         return out
