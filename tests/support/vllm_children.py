@@ -117,3 +117,12 @@ def vllm_host(module: str, *args: str, log: Path, env: dict[str, str] | None = N
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def ipc_fabric_host(log: Path, gpus: str, *args: str, pickles: bool = True):
+    """``vllm_host`` of vLLM's ``ipc`` engine on CPU, a worker per entry of
+    ``gpus`` (stand-in GPU ordinals), the CUDA calls replaced by host shared
+    memory on both sides (``support.ipc_fabric``)."""
+    return vllm_host("jax_sender.testing.vllm_ipc", "--cpu", "--gpus", gpus,
+                     "--plane", "support.ipc_fabric:", *args, log=log,
+                     env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if pickles else "0"})

@@ -13,16 +13,14 @@ import pytest
 from jax_sender.testing.harness import free_port, run_all
 
 from support import ROOT, child
-from support.vllm_children import vllm_host
+from support.vllm_children import ipc_fabric_host
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """vLLM's ipc engine in a worker on stand-in GPU 0 and one on GPU 1."""
     log = tmp_path_factory.mktemp("group") / "requests.jsonl"
-    with vllm_host("jax_sender.testing.vllm_ipc", "--cpu", "--gpus", "0,1",
-                   "--plane", "support.ipc_fabric:", log=log,
-                   env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}) as url:
+    with ipc_fabric_host(log, "0,1") as url:
         yield url
 
 

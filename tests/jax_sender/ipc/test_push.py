@@ -34,7 +34,7 @@ from uniqueid.ipc.join import check_ipc_server
 
 from support import ROOT, on_tests_path
 from support.ipc_fabric import FabricMemory, uuid_of
-from support.vllm_children import vllm_host
+from support.vllm_children import ipc_fabric_host
 
 CPU = jax.devices("cpu")[0]
 
@@ -43,9 +43,7 @@ CPU = jax.devices("cpu")[0]
 def ipc_server(tmp_path, *args: str, gpus: str = "0,0", pickles: bool = True):
     """vLLM's ipc engine in one worker per entry of ``gpus``, on CPU; (url, log)."""
     log = tmp_path / "requests.jsonl"
-    with vllm_host("jax_sender.testing.vllm_ipc", "--cpu", "--gpus", gpus,
-                   "--plane", "support.ipc_fabric:", *args, log=log,
-                   env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1" if pickles else "0"}) as url:
+    with ipc_fabric_host(log, gpus, *args, pickles=pickles) as url:
         yield url, log
 
 

@@ -16,15 +16,13 @@ from uniqueid import VLLMClient
 
 from support.ipc_fabric import FabricMemory
 from support.tiny_tunix import hugging_face, qwen3_state
-from support.vllm_children import vllm_host
+from support.vllm_children import ipc_fabric_host
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     log = tmp_path_factory.mktemp("ipc-trees") / "requests.jsonl"
-    with vllm_host("jax_sender.testing.vllm_ipc", "--cpu", "--gpus", "0",
-                   "--plane", "support.ipc_fabric:", log=log,
-                   env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}) as served:
+    with ipc_fabric_host(log, "0") as served:
         yield served
 
 
