@@ -266,7 +266,8 @@ def _member(group: GroupLink, uuids: dict[int, str], *, packed: bool, memory: Me
         group.send("hello", hello(uuids, {d: b.handle for d, b in buffers.items()},
                                   packed=packed, strict=strict), deadline)
         ranks = ranks_of(group.receive("ranks", deadline))
-    except BaseException:
+    except BaseException as e:
+        group.fail(failure(e))  # process 0 stops waiting for this one
         memory.close()
         raise
     finally:
