@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ from ..errors import RendezvousError, RendezvousTimeout, StoreError, StoreTimeou
 from ..store import KeyValueStore, StoreClient, StoreLimits, StoreServer
 from .handles import RebuildArgs
 
-SLICE_S = 0.2  # how often a wait looks for the other side's failure
+POLL_S = 0.02  # the longest pause between two looks at the store while waiting
+LINGER_S = 5.0  # how long process 0 keeps the store open for a failure to be read
 Exports = list[dict[str, list[RebuildArgs]]]  # per worker rank: a GPU's UUID -> its exports
 
 
@@ -170,7 +172,13 @@ class GroupLink:
             pass
 
     def close(self) -> None:
-        """Close the store (process 0: stop serving it)."""
+        """Close the store. Process 0 first lets the others read a failure
+        it told them at connect (within ``LINGER_S``), so each reads why."""
+        if not self.process:
+            told = [self.key("stop", p) for p in self.others]
+            end = time.monotonic() + LINGER_S
+            while time.monotonic() < end and self.store.check(told):
+                time.sleep(POLL_S)
         self.store.close()
 
     def _take(self, name: str, process: int, failure: str, deadline: Deadline,
@@ -180,25 +188,24 @@ class GroupLink:
         key = self.key(name, process, push)
         failed = self.key(failure, process, push)
         who = "trainer process 0" if self.process else f"trainer process {process}"
-        while True:
+        pause = 0.0005  # doubled up to POLL_S: a quick answer is taken at once
+        while True:  # polled with CHECK: a timed-out WAIT would close the client's connection
             if self.store.check([failed]):
                 said = self.store.get(failed, Deadline(5.0))
                 if failure == "stop":
                     raise _stopped(said)
                 raise GroupFailed(f"{who} failed: {said.decode(errors='replace')}")
-            left = deadline.left()
-            try:
-                value = self.store.get(key, Deadline(SLICE_S if left is None
-                                                     else min(SLICE_S, left)))
-            except StoreTimeout:
-                if deadline.passed():
-                    raise RendezvousTimeout(
-                        f"{who} did not send {name!r} in time: every trainer process of an "
-                        "IPC group must call connect_group(), send() and reconnect() together, "
-                        "as often and with the same tree") from None
-                continue
-            self.store.delete(key, Deadline(5.0))
-            return value
+            if self.store.check([key]):
+                value = self.store.get(key, Deadline(5.0))
+                self.store.delete(key, Deadline(5.0))
+                return value
+            if deadline.passed():
+                raise RendezvousTimeout(
+                    f"{who} did not send {name!r} in time: every trainer process of an "
+                    "IPC group must call connect_group(), send() and reconnect() together, "
+                    "as often and with the same tree")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
 
 
 def _stopped(outcome: bytes) -> GroupFailed:
@@ -226,8 +233,9 @@ def open_link(address: str, process: int, processes: int, deadline: Deadline) ->
             others cannot reach it in time.
     """
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"the group's store address must be host:port, got {address!r}")
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"the group's store address must be host:port (a port from 1 to "
+                         f"65535, which every process names), got {address!r}")
     if not 0 <= process < processes or processes < 2:
         raise ValueError(f"process {process} of {processes}: a group has 2 or more processes, "
                          "each with an index from 0")

@@ -281,8 +281,8 @@ class IPCSender:
             if link.process:
                 link.ended(n, Deadline(self._bound_s))
         except BaseException as e:
-            self._unposted(e)
-            link.fail(failure(e), push=n)
+            if not (link.process and self._unposted(e)):  # not process 0's: tell the others
+                link.fail(failure(e), push=n)
             if isinstance(e, GroupFailed):
                 raise SendError(f"weight push failed on trainer process 0, which posts the "
                                 f"updates: {e}") from e
@@ -294,15 +294,18 @@ class IPCSender:
             link.tell("stop", b"", Deadline(5.0), push=n)  # the push landed
         return stats
 
-    def _unposted(self, e: BaseException) -> None:
-        """A process other than 0 takes back the exports process 0 never
-        posted (it said how many rounds it did), so its next push waits
-        for no release that cannot come."""
+    def _unposted(self, e: BaseException | None) -> bool:
+        """Whether ``e`` is process 0's failure; if so, this process takes
+        back the exports process 0 never posted (it said how many rounds it
+        did), so its next push waits for no release that cannot come."""
         while e is not None and not isinstance(e, GroupFailed):
             e = e.__cause__
+        if e is None:
+            return False
         stager = self.session.broadcaster
-        if e is not None and e.posted is not None and isinstance(stager, Stager):
+        if e.posted is not None and isinstance(stager, Stager):
             stager.withdraw_unposted(e.posted)
+        return True
 
     def _sweep(self, link: GroupLink, n: int) -> None:
         """Process 0: delete the keys push ``n`` and the one before may have
