@@ -16,15 +16,22 @@ Why the producer holds its own count on the header for the file's whole
 life and unlinks the file itself: a worker that took the header to 0 would
 unlink it, and a failed unlink inside the storage's destructor aborts the
 worker. The file is unlinked on ``close()`` (and at interpreter exit if
-``close()`` was never called), so a crash of the trainer leaves at most one
-file in ``/dev/shm``.
+``close()`` was never called). A trainer killed outright cannot unlink it:
+so the producer holds an ``flock`` on its file for the file's life, and
+each new one removes the files of its prefix whose lock it can take (their
+producer is gone; a lock, unlike a process id, holds across containers
+sharing ``/dev/shm``). A file appears under its name already locked: it is
+made under a hidden name, locked, then renamed.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import logging
 import mmap
 import os
+import re
 import secrets
 import struct
 import weakref
@@ -35,6 +42,7 @@ from nccl_cffi.waiting import Check, no_check, poll_until
 
 from ..errors import RendezvousError
 
+log = logging.getLogger("uniqueid")
 HEADER_BYTES = 64  # at::map_alloc_alignment
 SLOTS = 10_000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
 FILE_BYTES = HEADER_BYTES + 8 * SLOTS
@@ -58,21 +66,27 @@ class RefCounters:
     """
 
     def __init__(self, prefix: str = "jax_vllm"):
+        sweep(prefix)
         self.name = f"/{prefix}_{os.getpid()}_{secrets.token_hex(6)}"
-        path = SHM + self.name
+        path, hidden = SHM + self.name, f"{SHM}/.{self.name[1:]}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
             raise RendezvousError(
                 f"cannot create the CUDA IPC ref-counter file {path} ({e.strerror}): the trainer "
                 "and vLLM share memory through /dev/shm; it must exist and be writable (in a "
                 "container: --ipc=host or a shared /dev/shm)") from None
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for the file's life (``sweep``)
             os.ftruncate(fd, FILE_BYTES)
             self._map = mmap.mmap(fd, FILE_BYTES)
-        finally:
+            struct.pack_into("<i", self._map, 0, 1)  # this process maps it
+            os.rename(hidden, path)
+        except BaseException:
             os.close(fd)
-        struct.pack_into("<i", self._map, 0, 1)  # this process maps it
+            _remove(hidden)
+            raise
+        self._fd = fd
         self._taken: set[int] = set()
         self._free = deque(range(SLOTS))
         self._unlink = weakref.finalize(self, _remove, path)
@@ -175,6 +189,39 @@ class RefCounters:
         """Unlink the file (a worker's later release finds none, and skips it)."""
         self._unlink()
         self._map.close()
+        os.close(self._fd)
+
+
+def sweep(prefix: str) -> list[str]:
+    """Remove the ref-counter files of ``prefix`` in ``/dev/shm`` whose
+    producer is gone (their lock is free); another user's are left alone.
+
+    Args:
+        prefix: the files' prefix (``RefCounters``'s).
+
+    Returns:
+        The names removed.
+    """
+    pattern, out = re.compile(rf"{re.escape(prefix)}_\d+_[0-9a-f]{{12}}"), []
+    for name in os.listdir(SHM):
+        if not pattern.fullmatch(name):
+            continue
+        try:
+            fd = os.open(f"{SHM}/{name}", os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its producer is alive
+        else:
+            _remove(f"{SHM}/{name}")
+            out.append(name)
+        finally:
+            os.close(fd)
+    if out:
+        log.info("removed %d ref-counter file(s) of trainers that are gone: %s", len(out), out)
+    return out
 
 
 def _at(slot: int) -> int:

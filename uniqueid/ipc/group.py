@@ -49,14 +49,16 @@ class GroupFailed(RendezvousError):
         message: why.
         posted: from process 0, how many rounds of the push it posted (the
             others take back the exports of the rest: no worker saw them).
+        kind: from process 0, the class of its error (the others raise alike).
     """
 
-    def __init__(self, message: str, posted: int | None = None):
+    def __init__(self, message: str, posted: int | None = None, kind: str = ""):
         super().__init__(message)
         self.posted = posted
+        self.kind = kind
 
     def __reduce__(self) -> tuple:
-        return type(self), (str(self), self.posted)
+        return type(self), (str(self), self.posted, self.kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,13 +153,14 @@ class GroupLink:
             raise _stopped(outcome)
 
     # -- both -------------------------------------------------------------------
-    def fail(self, why: str, push: int | None = None) -> None:
-        """Tell the others this process failed (best effort: the store may be gone)."""
+    def fail(self, why: str, push: int | None = None, kind: str = "") -> None:
+        """Tell the others this process failed (best effort: the store may be
+        gone); process 0 tells the class of its error too (``kind``)."""
         try:
             if self.process:
                 self.store.set(self.key("quit", self.process, push), why.encode(), Deadline(5.0))
             else:
-                outcome = json.dumps({"why": why, "posted": self.posted}).encode()
+                outcome = json.dumps({"why": why, "posted": self.posted, "kind": kind}).encode()
                 self.tell("stop", outcome, Deadline(5.0), push)
         except StoreError:
             pass
@@ -211,7 +214,7 @@ class GroupLink:
 def _stopped(outcome: bytes) -> GroupFailed:
     """Process 0's failure, as it told it (``fail``)."""
     said = json.loads(outcome)
-    return GroupFailed(f"trainer process 0 failed: {said['why']}", said["posted"])
+    return GroupFailed(f"trainer process 0 failed: {said['why']}", said["posted"], said["kind"])
 
 
 def open_link(address: str, process: int, processes: int, deadline: Deadline) -> GroupLink:

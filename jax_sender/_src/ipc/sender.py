@@ -40,7 +40,7 @@ from uniqueid.ipc.join import IPCConnection, Memory
 
 from ..core import senders
 from ..core.config import SendConfig
-from ..core.errors import MetadataError, SendError, TransferError
+from ..core.errors import MetadataError, SendError, TransferError, UpdateIncomplete
 from ..core.push import PreparedPush, Round
 from ..core.routes import jax_device, sender_device
 from ..core.senders import Servers, VerifyResult, check_push
@@ -281,12 +281,13 @@ class IPCSender:
             if link.process:
                 link.ended(n, Deadline(self._bound_s))
         except BaseException as e:
-            if not (link.process and self._unposted(e)):  # not process 0's: tell the others
-                link.fail(failure(e), push=n)
-            if isinstance(e, GroupFailed):
-                raise SendError(f"weight push failed on trainer process 0, which posts the "
-                                f"updates: {e}") from e
-            raise
+            ours = self._unposted(e) if link.process else None
+            if ours is None:  # this process's own failure: the others hear it
+                link.fail(failure(e), push=n, kind=type(e).__name__)
+                raise
+            error = UpdateIncomplete if ours.kind == UpdateIncomplete.__name__ else SendError
+            raise error(f"weight push failed on trainer process 0, which posts the "
+                        f"updates: {ours}") from e
         finally:
             if not link.process:
                 self._sweep(link, n)
@@ -294,18 +295,16 @@ class IPCSender:
             link.tell("stop", b"", Deadline(5.0), push=n)  # the push landed
         return stats
 
-    def _unposted(self, e: BaseException | None) -> bool:
-        """Whether ``e`` is process 0's failure; if so, this process takes
-        back the exports process 0 never posted (it said how many rounds it
-        did), so its next push waits for no release that cannot come."""
+    def _unposted(self, e: BaseException | None) -> GroupFailed | None:
+        """Process 0's failure behind ``e``, if it is one; then this process
+        takes back the exports process 0 never posted (it said how many
+        rounds it did), so its next push waits for no release that cannot come."""
         while e is not None and not isinstance(e, GroupFailed):
             e = e.__cause__
-        if e is None:
-            return False
         stager = self.session.broadcaster
-        if e.posted is not None and isinstance(stager, Stager):
+        if e is not None and e.posted is not None and isinstance(stager, Stager):
             stager.withdraw_unposted(e.posted)
-        return True
+        return e
 
     def _sweep(self, link: GroupLink, n: int) -> None:
         """Process 0: delete the keys push ``n`` and the one before may have

@@ -10,13 +10,22 @@ import os
 import pickle
 import struct
 import subprocess
+import sys
 
 import pytest
 
-from uniqueid.ipc.counters import FILE_BYTES, HEADER_BYTES, SLOTS, CountersHeld, RefCounters
+from uniqueid.ipc.counters import (
+    FILE_BYTES,
+    HEADER_BYTES,
+    SLOTS,
+    CountersHeld,
+    RefCounters,
+    sweep,
+)
 from uniqueid.ipc.handles import Global, RebuildArgs, Reduce, pickled
 from uniqueid.ipc.wire import IPCInitInfo, IPCUpdateInfo
 
+from support import ROOT, on_tests_path
 from support.vllm_children import interpreter
 
 ARGS = RebuildArgs(shape=(3, 4), dtype="bfloat16", itemsize=2, device=0,
@@ -168,3 +177,30 @@ def test_the_ref_counter_file_is_torchs_layout_and_goes_at_close():
         counters.take(1)
     counters.close()
     assert not os.path.exists(path)
+
+
+HOLDER = ("import sys, time; from uniqueid.ipc.counters import RefCounters; "
+          "c = RefCounters(sys.argv[1]); print(c.name, flush=True); time.sleep(60)")
+
+
+def test_a_killed_trainers_ref_counter_file_goes_at_the_next_ones_start():
+    """A SIGKILLed producer cannot unlink its file; the next one removes it
+    (its lock is free), and leaves a live producer's file (locked) alone."""
+    prefix = f"jax_vllm_test{os.getpid()}"
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, prefix], stdout=subprocess.PIPE,
+                                text=True, env=on_tests_path(dict(os.environ)), cwd=ROOT)
+               for _ in range(2)]
+    try:
+        dead, alive = ("/dev/shm" + h.stdout.readline().strip() for h in holders)
+        holders[0].kill()
+        holders[0].wait(10)
+        assert os.path.exists(dead) and os.path.exists(alive)
+        counters = RefCounters(prefix)
+        assert not os.path.exists(dead) and os.path.exists(alive)
+        assert os.path.exists("/dev/shm" + counters.name)  # its own: made locked, then named
+        counters.close()
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait(10)
+    assert sweep(prefix) == [alive[len("/dev/shm/"):]]  # now gone too
