@@ -277,7 +277,7 @@ class IPCSender:
         link.posted = 0
         try:
             stats = self._run(params, ticket, weight_version=weight_version, pause=pause,
-                              wait=True, t0=t0, push=n)
+                              wait=True, t0=t0, n=n)
             if link.process:
                 link.ended(n, Deadline(self._bound_s))
         except BaseException as e:
@@ -315,14 +315,15 @@ class IPCSender:
         self._rounds_before = rounds
 
     def _run(self, params: Any, ticket: Ticket, *, weight_version: str | None,
-             pause: str | None, wait: bool, t0: float, push: int = 0) -> SendStats | PendingSend:
-        """This process's push: describe, plan, check the room, run."""
+             pause: str | None, wait: bool, t0: float, n: int = 0) -> SendStats | PendingSend:
+        """This process's push (``n``: a group's count of it): describe,
+        plan, check the room, run."""
         metas, sources = self._descriptions.of(params)
         plan = self._planned(metas)
         self._check(plan)
         copies = None if wait or not on_device(sources, self.device) else copied(
             sources, range(len(sources)), self.device)
-        push = self._prepared(plan, sources if copies is None else copies, n=push)
+        push = self._prepared(plan, sources if copies is None else copies, n=n)
         push.weight_version, push.pause = weight_version, pause
         self._bound_s = push.bound_s
         push.stats.prepare_s = time.perf_counter() - t0
