@@ -105,6 +105,18 @@ class GroupLink:
         at = "c" if push is None else push
         return f"ipc/{self.generation}/{at}/{name}/{process}"
 
+    def step(self, name: str, deadline: Deadline, push: int | None = None) -> None:
+        """Process 0 tells the others ``name`` may begin; they wait for it.
+
+        Raises:
+            GroupFailed: process 0 said it failed (the others).
+            RendezvousTimeout: it did not come within ``deadline``.
+        """
+        if self.process:
+            self.receive(name, deadline, push)
+        else:
+            self.tell(name, b"", deadline, push)
+
     # -- process 0 ------------------------------------------------------------
     def tell(self, name: str, value: bytes, deadline: Deadline, push: int | None = None) -> None:
         """Process 0: ``value`` to every other process under ``name``."""
@@ -307,11 +319,11 @@ def merged(mine: Exports, theirs: Sequence[bytes], digest: str) -> Exports:
     return out
 
 
-def strict_idle(others: Sequence[ProbeTarget], ranks: Sequence[str]) -> str:
+def strict_idle(others: Sequence[ProbeTarget], ranks: Sequence[str]) -> list[str]:
     """Process 0: the GPUs of processes that named their devices where no
-    worker is ("" if none), for the refusal."""
-    return ", ".join(f"process {t.process}'s GPU {t.device} ({t.uuid})" for t in others
-                     if t.strict and t.uuid not in ranks)
+    worker is, for the refusal."""
+    return [f"process {t.process}'s GPU {t.device} ({t.uuid})" for t in others
+            if t.strict and t.uuid not in ranks]
 
 
 def answer(ranks: Sequence[str]) -> bytes:

@@ -220,39 +220,40 @@ def connect_ipc(client: VLLMClient | None, *, devices: Sequence[int], packed: bo
     if group is not None and group.process:
         return _member(group, uuids, packed=packed, memory=memory, deadline=deadline,
                        strict=strict_devices)
-    workers, others = _checked(client, group, packed, deadline)
+    try:
+        return _lead(client, uuids, packed=packed, memory=memory, deadline=deadline,
+                     owns_client=owns_client, strict=strict_devices, group=group)
+    except BaseException as e:
+        if group is not None:
+            group.fail(failure(e))  # the others stop waiting, and read why
+        raise
+
+
+def _lead(client: VLLMClient, uuids: dict[int, str], *, packed: bool, memory: Memory,
+          deadline: Deadline, owns_client: bool, strict: bool,
+          group: GroupLink | None = None) -> IPCConnection:
+    """``connect_ipc`` on the process that talks to the server: its checks,
+    a group's other processes' GPUs, the probe over all of them, the init,
+    then each worker rank's GPU told to the others."""
+    check_ipc_server(client, deadline)
+    workers = world_sizes([client], None, deadline)[0]
+    check_engines([client], deadline)
+    others = targets(group.hear("hello", deadline), packed) if group else []
     plane = IPCPlane(memory, RefCounters())
     try:
         ranks = _probe(client, workers, uuids, plane, deadline, others)
-        hosting = _hosting(client, uuids, ranks, strict_devices, others)
+        hosting = _hosting(client, uuids, ranks, strict, others)
         if not packed:
             client.init_weight_transfer_engine(IPCInitInfo(packed=False).to_payload(),
                                                timeout=seconds_left(deadline, CONNECT))
         if group is not None:
             group.tell("ranks", answer(ranks), deadline)
-    except BaseException as e:
-        if group is not None:
-            group.fail(failure(e))
+    except BaseException:
         _leave(client, deadline)
         plane.destroy()
         raise
     return IPCConnection(comm=plane, clients=[client], init_info=IPCInitInfo(packed=packed),
                          ranks=ranks, uuids=hosting, owns_clients=owns_client)
-
-
-def _checked(client: VLLMClient, group: GroupLink | None, packed: bool,
-             deadline: Deadline) -> tuple[int, list[ProbeTarget]]:
-    """The server's checks (``check_ipc_server``, its workers, its engine)
-    and a group's other processes' GPUs; a failure is told to them."""
-    try:
-        check_ipc_server(client, deadline)
-        workers = world_sizes([client], None, deadline)[0]
-        check_engines([client], deadline)
-        return workers, targets(group.hear("hello", deadline), packed) if group else []
-    except BaseException as e:
-        if group is not None:
-            group.fail(failure(e))
-        raise
 
 
 def _member(group: GroupLink, uuids: dict[int, str], *, packed: bool, memory: Memory,
@@ -342,12 +343,11 @@ def _hosting(client: VLLMClient, uuids: dict[int, str], ranks: list[str], strict
              others: Sequence[ProbeTarget] = ()) -> dict[int, str]:
     """The trainer's devices a worker is on; with ``strict``, every one must
     be (and every device of a group's process that named its own)."""
-    idle = [d for d, u in uuids.items() if u not in ranks]
-    named = ", ".join([f"trainer GPU {d} ({uuids[d]})" for d in idle] if strict else [])
-    named = ", ".join(x for x in (named, strict_idle(others, ranks)) if x)
-    if named:
+    idle = [f"trainer GPU {d} ({u})" for d, u in uuids.items() if strict and u not in ranks]
+    idle += strict_idle(others, ranks)
+    if idle:
         raise RendezvousError(
-            f"no worker of {client.base_url} is on {named}; its workers are on "
+            f"no worker of {client.base_url} is on {', '.join(idle)}; its workers are on "
             f"{sorted(set(ranks))}: pass only the GPUs the server shares (devices=)")
     return {d: u for d, u in uuids.items() if u in ranks}
 

@@ -77,13 +77,10 @@ class Staged:
     def __call__(self, stager: Stager, timeout: float, check: Check) -> Any:
         link = self.group
         if link is not None:
-            _in_group(lambda: link.tell(f"go{self.index}", b"", Deadline(timeout), self.push)
-                      if not link.process else
-                      link.receive(f"go{self.index}", Deadline(timeout), self.push))
+            _in_group(lambda: link.step(f"go{self.index}", Deadline(timeout), self.push))
         if self.first:
             stager.begin(self.placed.sizes, timeout, check)
         stager.copy(self.metas, self.placed, self.get)
-        kept = stager.exported
         try:  # the handles are encoded while the GPU copies
             exports = stager.exports(self.metas, self.placed, self.packed)
             if link is not None and link.process:
@@ -97,7 +94,7 @@ class Staged:
             update = update_of(self.metas, self.placed.chunk, exports, packed=self.packed)
             stager.sync(timeout, check)
         except BaseException:
-            stager.withdraw(kept)
+            stager.withdraw(self.index)  # this round's update was never posted
             raise
         if link is not None:
             link.posted = self.index + 1
@@ -177,10 +174,7 @@ class IPCSender:
                 each; it is left released).
             ServerStuck: its engine does not answer.
         """
-        jax_devs = usable_gpus(devices)
-        memory = memory or CudaIPC()
-        if config.packed:
-            _check_room(memory, list(jax_devs), exported_bytes(config.buffer_size_bytes), 0)
+        jax_devs, memory = _checked_gpus(devices, config, memory)
         return open_ipc_sender(senders.one_server(server, "an IPC sender"), jax_devs, mapping=mapping,
                                config=config, memory=memory, strict_devices=devices is not None)
 
@@ -216,12 +210,9 @@ class IPCSender:
                 called this in time); ``StoreError``: process 0 cannot
                 listen on ``store``.
         """
-        jax_devs = usable_gpus(devices)
+        jax_devs, memory = _checked_gpus(devices, config, memory)
         process = jax.process_index() if process is None else process
         processes = jax.process_count() if processes is None else processes
-        memory = memory or CudaIPC()
-        if config.packed:
-            _check_room(memory, list(jax_devs), exported_bytes(config.buffer_size_bytes), 0)
         clients = senders.one_server(server, "an IPC sender") if process == 0 else []
         try:
             link = open_link(store, process, processes, Deadline(config.init_timeout_s))
@@ -303,7 +294,7 @@ class IPCSender:
             e = e.__cause__
         stager = self.session.broadcaster
         if e is not None and e.posted is not None and isinstance(stager, Stager):
-            stager.withdraw_unposted(e.posted)
+            stager.withdraw(e.posted)
         return e
 
     def _sweep(self, link: GroupLink, n: int) -> None:
@@ -462,6 +453,18 @@ def usable_gpus(devices: Sequence[int] | None) -> dict[int, jax.Device]:
         except CudaError as e:
             raise TransferError(str(e)) from e
     return out
+
+
+def _checked_gpus(devices: Sequence[int] | None, config: SendConfig,
+                  memory: Memory | None) -> tuple[dict[int, jax.Device], Memory]:
+    """``connect``'s checks before any server is asked: the GPUs
+    (``usable_gpus``), and a packed buffer's room on each; with the GPU's
+    side (default ``CudaIPC()``)."""
+    jax_devs = usable_gpus(devices)
+    memory = memory or CudaIPC()
+    if config.packed:
+        _check_room(memory, list(jax_devs), exported_bytes(config.buffer_size_bytes), 0)
+    return jax_devs, memory
 
 
 def _check_room(memory: Memory, ordinals: list[int], nbytes: int, staged: int) -> None:

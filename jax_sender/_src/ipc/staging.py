@@ -250,34 +250,23 @@ class Stager:
             self._kept.clear()
         self.host_s = time.perf_counter() - self._copying
 
-    def withdraw(self, since: int) -> None:
-        """Take back the exports made after the first ``since`` of this push
-        (an update that was never posted: no worker will release them).
+    def withdraw(self, posted: int) -> None:
+        """Take back the exports of this push's rounds from ``posted`` on:
+        their updates were never posted (a round whose copies failed, or
+        rounds a group's process 0 did not reach), so no worker releases them.
 
         Args:
-            since: how many of the push's exports to keep.
+            posted: how many of the push's rounds were posted.
         """
+        if posted >= len(self.marks):
+            return
+        since = self.marks[posted]
         fresh = self._slots[since:]
         if fresh:
             del self._slots[since:]
             self.plane.counters.drop(fresh)
             if not since:
                 self._whole = None  # packed: the buffer's exports were this round's
-
-    def withdraw_unposted(self, posted: int) -> None:
-        """Take back the exports of this push's rounds from ``posted`` on (a
-        group's process 0 posted only the rounds before).
-
-        Args:
-            posted: how many rounds were posted.
-        """
-        if posted < len(self.marks):
-            self.withdraw(self.marks[posted])
-
-    @property
-    def exported(self) -> int:
-        """How many exports this push made so far (for ``withdraw``)."""
-        return len(self._slots)
 
     def exports(self, metas: Sequence[TensorMeta], placed: Placed, packed: bool) -> Exports:
         """Every worker's exports for the round, each on a slot of its own:
