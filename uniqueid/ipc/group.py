@@ -192,7 +192,7 @@ class GroupLink:
         if not self.process:
             told = [self.key("stop", p) for p in self.others]
             end = time.monotonic() + LINGER_S
-            while time.monotonic() < end and self.store.check(told):
+            while time.monotonic() < end and any(self.store.check([k]) for k in told):
                 time.sleep(POLL_S)
         self.store.close()
 
@@ -207,6 +207,7 @@ class GroupLink:
         while True:  # polled with CHECK: a timed-out WAIT would close the client's connection
             if self.store.check([failed]):
                 said = self.store.get(failed, Deadline(5.0))
+                self.store.delete(failed, Deadline(5.0))  # read: process 0 need not linger
                 if failure == "stop":
                     raise _stopped(said)
                 raise GroupFailed(f"{who} failed: {said.decode(errors='replace')}")

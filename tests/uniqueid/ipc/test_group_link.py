@@ -59,3 +59,19 @@ def test_a_malformed_store_address_is_refused_in_one_sentence(address):
 def test_a_process_index_outside_the_group_is_refused(process, processes):
     with pytest.raises(ValueError, match="2 or more processes"):
         open_link(f"127.0.0.1:{free_port()}", process, processes, Deadline(1))
+
+
+def test_process_0_keeps_the_store_until_every_other_process_read_why_the_connect_failed():
+    address = f"127.0.0.1:{free_port()}"
+    zero = open_link(address, 0, 3, Deadline(10))
+    one, two = (open_link(address, p, 3, Deadline(10)) for p in (1, 2))
+    zero.fail("RendezvousError: the server is not on ipc")
+    with pytest.raises(GroupFailed, match="not on ipc"):
+        one.receive("ranks", Deadline(5))
+    threading.Timer(1.0, lambda: pytest.raises(GroupFailed, two.receive, "ranks",
+                                               Deadline(5))).start()
+    t = time.monotonic()
+    zero.close()  # lingers for process 2 only, not for a key process 1 already read
+    assert 0.8 < time.monotonic() - t < 4.0
+    one.close()
+    two.close()
